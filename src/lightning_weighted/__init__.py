@@ -1,0 +1,16 @@
+"""Count-weighted DDP for Lightning: ``Trainer(strategy="ddp_weighted")`` optimises the global item mean.
+
+Importing this package registers ``"ddp_weighted"``, ``"ddp_weighted_spawn"``, ``"ddp_weighted_fork"`` and
+``"ddp_weighted_find_unused_parameters_true"`` in Lightning's ``StrategyRegistry``.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_weighted.hook import WeightedReduceState, weighted_allreduce_hook
+from lightning_weighted.strategy import WeightedDDPStrategy
+
+__all__ = ["WeightedDDPStrategy", "WeightedReduceState", "weighted_allreduce_hook"]
+
+__version__ = "0.1.0"
+
+WeightedDDPStrategy.register_strategies(StrategyRegistry)

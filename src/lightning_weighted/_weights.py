@@ -1,0 +1,156 @@
+"""Pure window arithmetic: reading counts, per-microbatch loss multipliers, the reduced count vector.
+
+Nothing here touches ``torch.distributed``; the strategy and the hook only wire these pieces in. The
+objective and the reduction it leads to are stated once, in :mod:`lightning_weighted.hook`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import torch
+
+__all__ = ["CountProblem", "GlobalCount", "WindowCount", "decode", "divisor", "read_count"]
+
+# Layout of the float64 vector every rank contributes to the window's count reduction (a SUM).
+# float64 holds every integer up to 2**53 exactly, so item counts and weight sums stay exact.
+ITEMS, INVALID, CODE, VALUE, WIDTH = 0, 1, 2, 3, 4
+_KINDS = 8  # CODE = rank * _KINDS + kind; decoded only when exactly one rank reports a problem
+
+
+class CountProblem(IntEnum):
+    """Why a microbatch's count (or loss) cannot be weighted."""
+
+    NEGATIVE = 1
+    NOT_FINITE = 2
+    NOT_A_NUMBER = 3
+    NOT_A_SCALAR = 4
+    MISSING = 5
+    NO_LOSS = 6
+    NO_GRAPH = 7
+
+
+_FIX = (
+    "`training_step` must return `{'loss': local_mean, 'count': n}` where `n` is the number of valid items"
+    " (or the sum of sample weights) behind `local_mean`: an int, a float or a 0-dim tensor, finite and >= 0"
+)
+_MESSAGES: dict[CountProblem, tuple[type[Exception], str]] = {
+    CountProblem.NEGATIVE: (ValueError, "returned a negative count {value!r}"),
+    CountProblem.NOT_FINITE: (ValueError, "returned a count that is not finite ({value!r})"),
+    CountProblem.NOT_A_NUMBER: (TypeError, "returned a count that is not a number"),
+    CountProblem.NOT_A_SCALAR: (TypeError, "returned a count tensor with more than one element"),
+    CountProblem.MISSING: (ValueError, "returned a dict without a 'count' key"),
+    CountProblem.NO_LOSS: (RuntimeError, "returned None instead of a loss"),
+    CountProblem.NO_GRAPH: (RuntimeError, "returned a loss that is not attached to the graph (no grad_fn)"),
+}
+
+
+def read_count(value: object) -> tuple[float, CountProblem | None]:
+    """Reads a count on the host and checks it.
+
+    Args:
+        value: what ``training_step`` returned under ``"count"``: an int, a float or a 0-dim tensor.
+
+    Returns:
+        ``(count, None)`` for a valid count, else ``(offending value or nan, problem)``.
+
+    Example::
+
+        >>> read_count(3)
+        (3.0, None)
+        >>> read_count(-2.5)
+        (-2.5, <CountProblem.NEGATIVE: 1>)
+    """
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            return math.nan, CountProblem.NOT_A_SCALAR
+        if value.dtype == torch.bool or value.is_complex():
+            return math.nan, CountProblem.NOT_A_NUMBER
+        number = float(value.item())
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        number = float(value)
+    else:
+        return math.nan, CountProblem.NOT_A_NUMBER
+    if not math.isfinite(number):
+        return number, CountProblem.NOT_FINITE
+    if number < 0:
+        return number, CountProblem.NEGATIVE
+    return number, None
+
+
+@dataclass
+class WindowCount:
+    """One rank's host-side account of the accumulation window in progress.
+
+    Microbatch losses are scaled relative to ``reference``, the window's first positive count, so the
+    scaled losses stay near the magnitude of a mean (no overflow in fp16) and, with one microbatch per
+    window, stay untouched.
+    """
+
+    items: float = 0.0
+    reference: float = 0.0
+    problem: tuple[CountProblem, float] | None = field(default=None)
+
+    def add(self, count: float) -> float:
+        """Records a valid count; returns the factor ``count / reference`` for that microbatch's mean loss."""
+        if count == 0:
+            return 0.0
+        if self.reference == 0:
+            self.reference = count
+        self.items += count
+        return count / self.reference
+
+    def reject(self, problem: CountProblem, value: float = math.nan) -> None:
+        """Records a microbatch that cannot be weighted; the first one is reported for the window."""
+        if self.problem is None:
+            self.problem = (problem, value if problem in (CountProblem.NEGATIVE, CountProblem.NOT_FINITE) else 0.0)
+
+    def vector(self, rank: int) -> list[float]:
+        """This rank's contribution to the window's count reduction (summed over ranks)."""
+        if self.problem is None:
+            return [self.items, 0.0, 0.0, 0.0]
+        problem, value = self.problem
+        return [self.items, 1.0, float(rank * _KINDS + problem), value]
+
+
+@dataclass(frozen=True)
+class GlobalCount:
+    """The decoded result of a window's count reduction."""
+
+    items: float
+    error: Exception | None
+
+
+def decode(summed: Sequence[float]) -> GlobalCount:
+    """Turns the summed count vector into the global item count ``N`` or one error, identical on every rank.
+
+    Example::
+
+        >>> decode([8.0, 0.0, 0.0, 0.0])
+        GlobalCount(items=8.0, error=None)
+        >>> decode([2.0, 1.0, 8 + CountProblem.NEGATIVE, -3.0]).error.args[0][:52]
+        'training_step on rank 1 returned a negative count -3'
+    """
+    invalid = round(summed[INVALID])
+    if invalid == 0:
+        return GlobalCount(summed[ITEMS], None)
+    if invalid == 1:
+        rank, kind = divmod(round(summed[CODE]), _KINDS)
+        error_type, what = _MESSAGES[CountProblem(kind)]
+        message = f"training_step on rank {rank} {what.format(value=summed[VALUE])}. {_FIX}."
+        return GlobalCount(summed[ITEMS], error_type(message))
+    message = f"training_step on {invalid} ranks returned an invalid count or loss. {_FIX}."
+    return GlobalCount(summed[ITEMS], ValueError(message))
+
+
+def divisor(items: torch.Tensor, reference: float) -> torch.Tensor:
+    """The factor a rank divides its accumulated gradient by before the SUM across ranks: ``N / reference``.
+
+    ``items`` is the global count ``N`` (a 0-dim tensor, kept on the device); a window with ``N = 0`` holds
+    only zero gradients and divides by 1 so that nothing turns into NaN.
+    """
+    return torch.where(items > 0, items, torch.ones_like(items)) / (reference or 1.0)

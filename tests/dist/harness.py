@@ -1,0 +1,65 @@
+"""Runs a worker script on several ranks under a hard timeout, with tracebacks of every process on a hang."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from scenario import Config
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run(command: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Runs `command` in its own session; on timeout dumps every process's traceback, kills them all, fails."""
+    full_env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
+    full_env.update(env or {})
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGUSR1)  # faulthandler in every rank prints its stacks
+        time.sleep(2)
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"hang: {command} did not finish in {timeout}s\n{output[-8000:]}")
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # no rank outlives its test
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(command, process.returncode, output, None)
+
+
+def fit(config: Config, tmp_path: Path, timeout: float = 180, expect_failure: bool = False) -> Any:
+    """Trains `config` on its ranks; returns each rank's record, or the finished process when it must fail."""
+    out = tmp_path / f"result-{config.strategy}-{os.urandom(4).hex()}"
+    command = [sys.executable, str(HERE / "worker.py"), "--config", json.dumps(dataclasses.asdict(config)),
+               "--out", str(out)]
+    done = run(command, timeout)
+    if expect_failure:
+        assert done.returncode != 0, done.stdout[-4000:]
+        return done
+    assert done.returncode == 0, done.stdout[-8000:]
+    return [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(config.world_size)]

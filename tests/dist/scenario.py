@@ -1,0 +1,170 @@
+"""Shared by the distributed tests and their worker script: data, module, and the float64 reference.
+
+Each rank holds its own list of microbatches with uneven item counts; the reference trains one float64
+copy of the model on the concatenation of every rank's microbatches of each optimizer step, minimising
+the weighted item mean ``Σ w_i ℓ_i / Σ w_i`` of that step.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+
+Batch = tuple[Tensor, Tensor, Tensor]  # x [B, 3], y [B], w [B] (ones, a 0/1 token mask, or sample weights)
+
+
+@dataclasses.dataclass
+class Config:
+    strategy: str = "ddp_weighted"
+    world_size: int = 2
+    mode: str = "tokens"  # examples | tokens | weights
+    accumulate: int = 1
+    schedule: dict[int, int] | None = None  # GradientAccumulationScheduler's {epoch: A}
+    batches: int = 6  # microbatches per rank and epoch
+    epochs: int = 1
+    seed: int = 0
+    optimizer: str = "sgd"  # sgd (momentum 0.9) | adam
+    lr: float = 0.1
+    precision: str = "32-true"
+    clip: float | None = None
+    masked: Sequence[tuple[int, int]] = ()  # (rank, batch) pairs whose mask is all zero
+    empty_windows: Sequence[int] = ()  # windows (per epoch, A=accumulate) fully masked on every rank
+    scheduler: bool = False
+    static_graph: bool = False
+    manual: bool = False
+    count_collectives: bool = False
+
+
+def make_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+
+
+def make_batches(config: Config, rank: int, epoch: int) -> list[Batch]:
+    generator = torch.Generator().manual_seed(1000 * config.seed + 100 * epoch + rank)
+    batches = []
+    for k in range(config.batches):
+        # rank 0 holds small microbatches, rank 1 large ones: a several-fold imbalance
+        size = int(torch.randint(1, 4, (), generator=generator)) + 5 * rank * (k % 2 + 1)
+        x = torch.randn(size, 3, generator=generator)
+        y = torch.randn(size, generator=generator) + 2.0 * rank
+        if config.mode == "examples":
+            w = torch.ones(size)
+        elif config.mode == "tokens":
+            w = (torch.rand(size, generator=generator) < 0.7).float()
+        else:
+            w = torch.rand(size, generator=generator) * 1.9 + 0.1
+        window = k // config.accumulate
+        if (rank, k) in config.masked or window in config.empty_windows:
+            w = torch.zeros(size)
+        batches.append((x, y, w))
+    return batches
+
+
+def item_losses(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    return 0.5 * (model(x).squeeze(-1) - y) ** 2
+
+
+def count_of(config: Config, w: Tensor) -> Any:
+    if config.mode == "examples":
+        return len(w)  # a Python int
+    if config.mode == "tokens":
+        return w.long().sum()  # an int64 tensor
+    return w.sum()  # a float tensor
+
+
+class WeightedModule(LightningModule):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = make_model(config.seed)
+        self.automatic_optimization = not config.manual
+
+    def training_step(self, batch: Batch, batch_idx: int) -> dict[str, Any]:
+        x, y, w = batch
+        losses = item_losses(self.model, x, y)
+        mean = (losses * w).sum() / w.sum()  # NaN when every item is masked: 0/0
+        return {"loss": mean, "count": count_of(self.config, w)}
+
+    def train_dataloader(self) -> Any:
+        from torch.utils.data import DataLoader
+
+        batches = [b for e in range(self.config.epochs) for b in make_batches(self.config, self.global_rank, e)]
+        per_epoch = len(batches) // self.config.epochs
+        return DataLoader(_EpochList(batches, per_epoch, self), batch_size=None)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = make_optimizer(self.config, self.model.parameters())
+        if not self.config.scheduler:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class _EpochList(torch.utils.data.Dataset[Batch]):
+    """Serves the current epoch's microbatches of this rank."""
+
+    def __init__(self, batches: list[Batch], per_epoch: int, module: LightningModule) -> None:
+        self.batches, self.per_epoch, self.module = batches, per_epoch, module
+
+    def __len__(self) -> int:
+        return self.per_epoch
+
+    def __getitem__(self, index: int) -> Batch:
+        return self.batches[self.module.current_epoch * self.per_epoch + index]
+
+
+def make_optimizer(config: Config, params: Any) -> torch.optim.Optimizer:
+    if config.optimizer == "adam":
+        return torch.optim.Adam(params, lr=config.lr)
+    return torch.optim.SGD(params, lr=config.lr, momentum=0.9)
+
+
+def windows(config: Config, epoch: int) -> list[range]:
+    a = config.accumulate
+    if config.schedule is not None:
+        a = max(v for k, v in config.schedule.items() if k <= epoch)
+    return [range(start, min(start + a, config.batches)) for start in range(0, config.batches, a)]
+
+
+def reference(config: Config) -> dict[str, Any]:
+    """Float64 single-process training on the intended objective; returns params and per-step grad norms."""
+    model = copy.deepcopy(make_model(config.seed)).double()
+    optimizer = make_optimizer(config, model.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5) if config.scheduler else None
+    norms = []
+    for epoch in range(config.epochs):
+        per_rank = [make_batches(config, r, epoch) for r in range(config.world_size)]
+        for window in windows(config, epoch):
+            items = [per_rank[r][k] for r in range(config.world_size) for k in window]
+            x = torch.cat([b[0] for b in items]).double()
+            y = torch.cat([b[1] for b in items]).double()
+            w = torch.cat([b[2] for b in items]).double()
+            if w.sum() == 0:
+                continue  # a window without items changes nothing
+            optimizer.zero_grad()
+            ((item_losses(model, x, y) * w).sum() / w.sum()).backward()
+            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+            norms.append(float(norm))
+            if config.clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+    return {"params": [p.detach().clone() for p in model.parameters()], "norms": norms}
+
+
+def max_relative_error(params: Sequence[Tensor], expected: Sequence[Tensor]) -> float:
+    scale = max(float(e.abs().max()) for e in expected)
+    return max(float((p.double() - e).abs().max()) for p, e in zip(params, expected, strict=True)) / scale
+
+
+def is_finite(params: Sequence[Tensor]) -> bool:
+    return all(math.isfinite(float(p.double().sum())) for p in params)

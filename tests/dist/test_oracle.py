@@ -1,0 +1,22 @@
+"""The synchronized update equals the float64 single-process gradient of the global item mean."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import fit
+from scenario import Config, max_relative_error, reference
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_ddp_weighted_matches_the_float64_reference_and_ddp_does_not(tmp_path, accumulate):
+    config = Config(strategy="ddp_weighted_fork", accumulate=accumulate, batches=7, epochs=2, mode="tokens")
+    expected = reference(config)
+    weighted = fit(config, tmp_path)
+    plain = fit(Config(**{**vars(config), "strategy": "ddp_fork"}), tmp_path)
+
+    assert max_relative_error(weighted[0]["params"], expected["params"]) < 1e-5
+    assert all(torch.equal(a, b) for a, b in zip(weighted[0]["params"], weighted[1]["params"]))  # replicas agree
+    assert [s["norm"] for s in weighted[0]["steps"]] == pytest.approx(expected["norms"], rel=1e-5)
+    # the same check fails for plain DDP: its mean of means re-weights the items
+    assert max_relative_error(plain[0]["params"], expected["params"]) > 1e-2

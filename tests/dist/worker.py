@@ -1,0 +1,125 @@
+"""One distributed training run of `scenario.Config`; every rank saves what it saw to `<out>.rank<r>`.
+
+Run as a script (the popen launcher re-executes it on every rank); the tests start it as a subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import faulthandler
+import json
+import signal
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.strategies import DDPStrategy
+
+sys.path.insert(0, str(Path(__file__).parent))
+import lightning_weighted  # noqa: E402
+from scenario import Config, WeightedModule  # noqa: E402
+
+_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "barrier", "reduce_scatter_tensor")
+
+
+class Recorder(Callback):
+    """Snapshots gradients, parameters and optimizer state at each optimizer step; counts collectives."""
+
+    def __init__(self, config: Config, out: str) -> None:
+        self.config, self.out = config, out
+        self.steps: list[dict[str, Any]] = []
+        self.collectives: list[tuple[str, str, int]] = []
+        self._originals: dict[str, Any] = {}
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.config.count_collectives:
+            for name in _COLLECTIVES:
+                self._originals[name] = original = getattr(dist, name)
+                setattr(dist, name, self._counting(name, original))
+
+    def _counting(self, name: str, original: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            dtype = str(tensor.dtype) if tensor is not None else ""
+            self.collectives.append((name, dtype, tensor.numel() if tensor is not None else 0))
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        norm = float(torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads]))) if grads else 0.0
+        self.steps.append({"norm": norm, "collectives": len(self.collectives)})
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if not self.steps or "params" in self.steps[-1]:
+            return
+        optimizer = trainer.optimizers[0]
+        self.steps[-1]["params"] = [p.detach().clone() for p in pl_module.parameters()]
+        self.steps[-1]["state"] = {k: {n: t.clone() if isinstance(t, torch.Tensor) else t for n, t in v.items()}
+                                   for k, v in optimizer.state_dict()["state"].items()}
+        self.steps[-1]["lr"] = optimizer.param_groups[0]["lr"]
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+        record = {
+            "rank": trainer.global_rank,
+            "params": [p.detach().clone() for p in pl_module.parameters()],
+            "steps": self.steps,
+            "collectives": self.collectives,
+            "global_step": trainer.global_step,
+            "skipped_steps": getattr(trainer.strategy, "skipped_steps", None),
+            "comm_hook": trainer.strategy.model._get_ddp_logging_data().get("comm_hook"),
+        }
+        torch.save(record, f"{self.out}.rank{trainer.global_rank}")
+
+
+def make_strategy(config: Config) -> Any:
+    kwargs: dict[str, Any] = {"timeout": timedelta(seconds=30)}
+    if config.static_graph:
+        kwargs["static_graph"] = True
+    weighted = config.strategy.startswith("ddp_weighted")
+    start_method = config.strategy.removeprefix("ddp_weighted" if weighted else "ddp").lstrip("_") or "popen"
+    cls = lightning_weighted.WeightedDDPStrategy if weighted else DDPStrategy
+    return cls(start_method=start_method, **kwargs)
+
+
+def main() -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    config = Config(**json.loads(args.config))
+    torch.set_num_threads(1)
+    recorder = Recorder(config, args.out)
+    callbacks: list[Callback] = [recorder]
+    if config.schedule is not None:
+        callbacks.append(GradientAccumulationScheduler({int(k): v for k, v in config.schedule.items()}))
+    trainer = Trainer(
+        strategy=make_strategy(config),
+        accelerator="cpu",
+        devices=config.world_size,
+        max_epochs=config.epochs,
+        accumulate_grad_batches=1 if config.schedule is not None else config.accumulate,
+        precision=config.precision,  # type: ignore[arg-type]
+        gradient_clip_val=config.clip,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(WeightedModule(config))
+
+
+if __name__ == "__main__":
+    main()
