@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -15,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from scenario import Config
 
 HERE = Path(__file__).parent
@@ -33,7 +33,12 @@ def run(command: list[str], timeout: float, env: dict[str, str] | None = None) -
     full_env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
     full_env.update(env or {})
     process = subprocess.Popen(
-        command, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        command,
+        cwd=ROOT,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
     )
     try:
@@ -45,18 +50,22 @@ def run(command: list[str], timeout: float, env: dict[str, str] | None = None) -
         output, _ = process.communicate()
         pytest.fail(f"hang: {command} did not finish in {timeout}s\n{output[-8000:]}")
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)  # no rank outlives its test
-        except ProcessLookupError:
-            pass
     return subprocess.CompletedProcess(command, process.returncode, output, None)
 
 
 def fit(config: Config, tmp_path: Path, timeout: float = 180, expect_failure: bool = False) -> Any:
     """Trains `config` on its ranks; returns each rank's record, or the finished process when it must fail."""
     out = tmp_path / f"result-{config.strategy}-{os.urandom(4).hex()}"
-    command = [sys.executable, str(HERE / "worker.py"), "--config", json.dumps(dataclasses.asdict(config)),
-               "--out", str(out)]
+    command = [
+        sys.executable,
+        str(HERE / "worker.py"),
+        "--config",
+        json.dumps(dataclasses.asdict(config)),
+        "--out",
+        str(out),
+    ]
     done = run(command, timeout)
     if expect_failure:
         assert done.returncode != 0, done.stdout[-4000:]

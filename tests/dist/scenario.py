@@ -40,6 +40,9 @@ class Config:
     static_graph: bool = False
     manual: bool = False
     count_collectives: bool = False
+    find_unused: bool = False
+    bad_count: Sequence[Any] | None = None  # (rank, batch, value) returned as that microbatch's count
+    unused_layer: bool = False  # a layer that never enters the loss
 
 
 def make_model(seed: int) -> nn.Module:
@@ -59,10 +62,11 @@ def make_batches(config: Config, rank: int, epoch: int) -> list[Batch]:
             w = torch.ones(size)
         elif config.mode == "tokens":
             w = (torch.rand(size, generator=generator) < 0.7).float()
+            w[0] = 1.0  # fully masked microbatches only where `masked` asks for them
         else:
             w = torch.rand(size, generator=generator) * 1.9 + 0.1
         window = k // config.accumulate
-        if (rank, k) in config.masked or window in config.empty_windows:
+        if [rank, k] in [list(pair) for pair in config.masked] or window in config.empty_windows:
             w = torch.zeros(size)
         batches.append((x, y, w))
     return batches
@@ -85,13 +89,17 @@ class WeightedModule(LightningModule):
         super().__init__()
         self.config = config
         self.model = make_model(config.seed)
+        self.unused = nn.Linear(2, 2) if config.unused_layer else None
         self.automatic_optimization = not config.manual
 
     def training_step(self, batch: Batch, batch_idx: int) -> dict[str, Any]:
         x, y, w = batch
         losses = item_losses(self.model, x, y)
         mean = (losses * w).sum() / w.sum()  # NaN when every item is masked: 0/0
-        return {"loss": mean, "count": count_of(self.config, w)}
+        count = count_of(self.config, w)
+        if self.config.bad_count is not None and list(self.config.bad_count[:2]) == [self.global_rank, batch_idx]:
+            count = self.config.bad_count[2]
+        return {"loss": mean, "count": count}
 
     def train_dataloader(self) -> Any:
         from torch.utils.data import DataLoader

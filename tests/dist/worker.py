@@ -6,7 +6,6 @@ Run as a script (the popen launcher re-executes it on every rank); the tests sta
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import faulthandler
 import json
 import signal
@@ -22,8 +21,9 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy
 
 sys.path.insert(0, str(Path(__file__).parent))
-import lightning_weighted  # noqa: E402
-from scenario import Config, WeightedModule  # noqa: E402
+from scenario import Config, WeightedModule
+
+import lightning_weighted
 
 _COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "barrier", "reduce_scatter_tensor")
 
@@ -53,7 +53,7 @@ class Recorder(Callback):
         return wrapper
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        grads = [p.grad for p in pl_module.model.parameters() if p.grad is not None]
         norm = float(torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads]))) if grads else 0.0
         self.steps.append({"norm": norm, "collectives": len(self.collectives)})
 
@@ -61,9 +61,11 @@ class Recorder(Callback):
         if not self.steps or "params" in self.steps[-1]:
             return
         optimizer = trainer.optimizers[0]
-        self.steps[-1]["params"] = [p.detach().clone() for p in pl_module.parameters()]
-        self.steps[-1]["state"] = {k: {n: t.clone() if isinstance(t, torch.Tensor) else t for n, t in v.items()}
-                                   for k, v in optimizer.state_dict()["state"].items()}
+        self.steps[-1]["params"] = [p.detach().clone() for p in pl_module.model.parameters()]
+        self.steps[-1]["state"] = {
+            k: {n: t.clone() if isinstance(t, torch.Tensor) else t for n, t in v.items()}
+            for k, v in optimizer.state_dict()["state"].items()
+        }
         self.steps[-1]["lr"] = optimizer.param_groups[0]["lr"]
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -71,7 +73,7 @@ class Recorder(Callback):
             setattr(dist, name, original)
         record = {
             "rank": trainer.global_rank,
-            "params": [p.detach().clone() for p in pl_module.parameters()],
+            "params": [p.detach().clone() for p in pl_module.model.parameters()],
             "steps": self.steps,
             "collectives": self.collectives,
             "global_step": trainer.global_step,
@@ -85,6 +87,8 @@ def make_strategy(config: Config) -> Any:
     kwargs: dict[str, Any] = {"timeout": timedelta(seconds=30)}
     if config.static_graph:
         kwargs["static_graph"] = True
+    if config.find_unused:
+        kwargs["find_unused_parameters"] = True
     weighted = config.strategy.startswith("ddp_weighted")
     start_method = config.strategy.removeprefix("ddp_weighted" if weighted else "ddp").lstrip("_") or "popen"
     cls = lightning_weighted.WeightedDDPStrategy if weighted else DDPStrategy

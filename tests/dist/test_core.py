@@ -1,0 +1,130 @@
+"""Empty microbatches, empty windows, precision, clipping, the hook's wiring and refusals (2 gloo ranks)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+from harness import fit
+from scenario import Config, is_finite, max_relative_error, reference
+
+
+def _equal(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(_equal, a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_fully_masked_microbatches_with_nan_means_contribute_exactly_zero(tmp_path, find_unused):
+    # rank 0's microbatch 1 and rank 1's microbatch 4 have every token masked: their means are 0/0 = NaN
+    config = Config(
+        strategy="ddp_weighted_fork",
+        accumulate=2,
+        masked=[(0, 1), (1, 4)],
+        find_unused=find_unused,
+        unused_layer=find_unused,
+    )
+    result = fit(config, tmp_path)
+    assert is_finite(result[0]["params"])
+    assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
+
+
+def test_a_window_without_items_leaves_params_optimizer_and_scheduler_bit_identical(tmp_path):
+    # windows 0, 1, 2 of A = 2; window 1 has no valid item on any rank
+    config = Config(
+        strategy="ddp_weighted_fork", accumulate=2, empty_windows=[1], optimizer="adam", scheduler=True, lr=0.05
+    )
+    result = fit(config, tmp_path)
+    for rank in result:
+        before, empty, after = rank["steps"]
+        assert _equal(empty["params"], before["params"])
+        assert _equal(empty["state"], before["state"])  # Adam moments and step counts
+        assert empty["lr"] == before["lr"] == 0.05 * 0.5 and after["lr"] == 0.05 * 0.25
+        assert not _equal(after["params"], empty["params"])
+        assert rank["skipped_steps"] == 1
+        assert rank["global_step"] == 3
+    assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
+
+
+def test_the_hook_is_registered_on_cpu_and_adds_one_32_byte_collective_per_optimizer_step(tmp_path):
+    config = Config(strategy="ddp_weighted_fork", accumulate=3, batches=7, count_collectives=True)
+    result = fit(config, tmp_path)
+    for rank in result:
+        assert rank["comm_hook"] == "weighted_allreduce_hook"
+        steps = len(rank["steps"])
+        assert steps == 3  # windows of 3, 3 and 1 microbatches
+        # Lightning itself broadcasts its SIGTERM flag once per batch, with any strategy
+        lightning = [c for c in rank["collectives"] if c == ("broadcast", "torch.int64", 1)]
+        ours = [c for c in rank["collectives"] if c not in lightning]
+        assert len(lightning) == 7
+        # per window: the 4 × 8-byte count, launched before the syncing backward, then the one bucket
+        assert ours == [("all_reduce", "torch.float64", 4), ("all_reduce", "torch.float32", 21)] * steps
+
+
+@pytest.mark.parametrize(
+    ("precision", "rtol"),
+    [("64-true", 1e-10), ("32-true", 1e-5), ("bf16-mixed", 3e-2), ("16-mixed", 3e-2), ("bf16-true", 5e-2)],
+)
+def test_every_precision_gives_the_reference_within_its_precision(tmp_path, precision, rtol):
+    config = Config(strategy="ddp_weighted_fork", accumulate=2, mode="weights", precision=precision, lr=0.05)
+    result = fit(config, tmp_path)
+    expected = reference(config)
+    assert max_relative_error(result[0]["params"], expected["params"]) < rtol
+    assert [s["norm"] for s in result[0]["steps"]] == pytest.approx(expected["norms"], rel=max(rtol, 1e-6))
+
+
+def test_clipping_and_on_before_optimizer_step_see_the_normalized_gradient(tmp_path):
+    config = Config(strategy="ddp_weighted_fork", accumulate=2, clip=0.05, mode="examples")
+    expected = reference(config)
+    assert max(expected["norms"]) > 0.05  # clipping is active
+    result = fit(config, tmp_path)
+    assert [s["norm"] for s in result[0]["steps"]] == pytest.approx(expected["norms"], rel=1e-5)
+    assert max_relative_error(result[0]["params"], expected["params"]) < 1e-5
+
+
+def test_accumulation_scheduler_windows_and_short_last_windows_are_weighted(tmp_path):
+    config = Config(strategy="ddp_weighted_fork", schedule={0: 2, 1: 4}, batches=7, epochs=2, mode="weights")
+    result = fit(config, tmp_path)
+    assert len(result[0]["steps"]) == 4 + 2  # windows of 2,2,2,1 then 4,3
+    assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
+
+
+def test_popen_launcher_matches_the_reference(tmp_path):
+    config = Config(strategy="ddp_weighted", accumulate=2, mode="examples")
+    result = fit(config, tmp_path)
+    assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"static_graph": True, "accumulate": 2}, r"`static_graph=True` with gradient accumulation is not supported"),
+        ({"manual": True}, r"uses manual optimization \(`automatic_optimization=False`\), which ddp_weighted"),
+    ],
+)
+def test_unsupported_combinations_are_refused_at_setup_on_every_rank(tmp_path, change, message):
+    # the popen launcher shares one output stream between the ranks, so both tracebacks are seen
+    config = dataclasses.replace(Config(strategy="ddp_weighted"), **change)
+    done = fit(config, tmp_path, timeout=90, expect_failure=True)
+    assert len(re.findall(message, done.stdout)) == 2, done.stdout[-4000:]  # raised on both ranks
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        (-3, "ValueError", "training_step on rank 1 returned a negative count -3.0"),
+        (float("nan"), "ValueError", "training_step on rank 1 returned a count that is not finite (nan)"),
+        ("many", "TypeError", "training_step on rank 1 returned a count that is not a number"),
+    ],
+)
+def test_a_bad_count_on_one_rank_raises_the_same_error_on_every_rank_before_the_step(tmp_path, value, error, message):
+    config = Config(strategy="ddp_weighted", accumulate=2, bad_count=[1, 3, value])
+    done = fit(config, tmp_path, timeout=90, expect_failure=True)
+    assert done.stdout.count(f"{error}: {message}") == 2, done.stdout[-4000:]  # raised on both ranks

@@ -1,0 +1,165 @@
+"""`ObjectiveAudit`: its pure helpers, its arguments, and single-process runs (no extra processes)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch import Tensor, nn
+
+from lightning_weighted.audit import ObjectiveAudit, ObjectiveMismatchError, imbalance, relative_error, spread
+
+
+def test_relative_error_of_plain_ddp_on_the_worked_trace_is_one_fifth():
+    # |2.0 - 2.5| / 2.5
+    assert relative_error(torch.tensor([2.0]), torch.tensor([2.5])) == pytest.approx(0.2)
+
+
+def test_relative_error_is_normalised_by_the_largest_expected_entry():
+    # max |[1, 0.5] - [1, 0]| / max |[1, 0]|
+    assert relative_error(torch.tensor([1.0, 0.5]), torch.tensor([1.0, 0.0])) == pytest.approx(0.5)
+
+
+def test_relative_error_is_zero_for_two_zero_gradients_and_infinite_against_a_zero_target():
+    assert relative_error(torch.zeros(3), torch.zeros(3)) == 0.0
+    assert relative_error(torch.ones(3), torch.zeros(3)) == math.inf
+    assert relative_error(torch.zeros(0), torch.zeros(0)) == 0.0
+
+
+def test_imbalance_is_the_largest_rank_share_times_the_world_size():
+    assert imbalance([2, 6]) == pytest.approx(1.5)  # 2 · 6 / 8
+    assert imbalance([5, 5, 5]) == pytest.approx(1.0)
+    assert imbalance([0, 0]) == 1.0  # a window without items
+
+
+def test_spread_is_zero_for_equal_replicas_and_relative_otherwise():
+    assert spread(torch.tensor([[1.0, -2.0, 0.0], [1.0, -2.0, 0.0]])) == 0.0
+    assert spread(torch.tensor([[1.0, 4.0], [1.0, 5.0], [1.0, 4.5]])) == pytest.approx(0.2)  # (5 - 4) / 5
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"every_n_steps": 0}, r"`every_n_steps=0` is not a positive int.*None to turn the audit off"),
+        ({"every_n_steps": True}, r"`every_n_steps=True` is not a positive int"),
+        ({"every_n_steps": 2.0}, r"`every_n_steps=2.0` is not a positive int"),
+        ({"on_mismatch": "error"}, r"`on_mismatch='error'` must be 'warn' or 'raise'"),
+        ({"rtol": -1.0}, r"`rtol=-1.0` must be a finite number >= 0"),
+        ({"rtol": math.nan}, r"`rtol=nan` must be a finite number >= 0"),
+    ],
+)
+def test_invalid_arguments_are_rejected_with_the_value_and_the_fix(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ObjectiveAudit(**kwargs)
+
+
+class Trace(LightningModule):
+    """The worked trace on one process: microbatches [9, 9] then [7] * 6 in one accumulation window."""
+
+    def __init__(self, microbatches: list[list[float]], dropout: float = 0.0, norm: bool = False) -> None:
+        super().__init__()
+        self.microbatches = microbatches
+        self.w = nn.Parameter(torch.tensor([10.0]))
+        self.dropout = nn.Dropout(dropout)
+        self.norm = nn.BatchNorm1d(1) if norm else None
+        self.grads: list[float] = []
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Any:
+        w = self.dropout(self.w.expand(len(batch)))  # per-item dropout of the prediction
+        if self.norm is not None:
+            w = w + 0.0 * self.norm(batch.unsqueeze(-1)).squeeze(-1)  # only updates the running statistics
+        mean = (0.5 * (w - batch) ** 2).mean()
+        self.log("mean", mean)
+        return {"loss": mean, "count": len(batch)}
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.grads.append(float(self.w.grad))
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader([torch.tensor(b) for b in self.microbatches], batch_size=None)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit(module: LightningModule, audit: ObjectiveAudit | None, accumulate: int) -> Trainer:
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        accumulate_grad_batches=accumulate,
+        callbacks=[audit] if audit is not None else [],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module)
+    return trainer
+
+
+def test_lightning_accumulation_on_one_device_is_flagged_as_the_mean_of_microbatch_means():
+    audit = ObjectiveAudit(every_n_steps=1)
+    module = Trace([[9.0, 9.0], [7.0] * 6])
+    with pytest.warns(UserWarning, match=r"relative error of 0\.2 .*strategy='ddp_weighted'"):
+        trainer = fit(module, audit, accumulate=2)
+    # Lightning: (1 + 3) / 2 = 2; the item mean: (2 · 1 + 6 · 3) / 8 = 2.5
+    assert module.grads == [pytest.approx(2.0)]
+    (report,) = audit.reports
+    assert (report.step, report.norm, report.expected_norm) == (0, pytest.approx(2.0), pytest.approx(2.5))
+    assert report.objective_error == pytest.approx(0.2)
+    assert (report.replica_error, report.imbalance, report.counts, report.passed) == (0.0, 1.0, (8.0,), False)
+    assert float(trainer.callback_metrics["audit/objective_error"]) == pytest.approx(0.2)
+
+
+def test_raise_mode_stops_training_before_the_optimizer_step():
+    module = Trace([[9.0, 9.0], [7.0] * 6])
+    with pytest.raises(ObjectiveMismatchError, match=r"step 0: .*\(norm 2\) .*\(norm 2\.5\) .*error of 0\.2"):
+        fit(module, ObjectiveAudit(every_n_steps=1, on_mismatch="raise"), accumulate=2)
+    assert float(module.w.detach()) == 10.0
+
+
+def test_a_window_of_one_microbatch_passes_and_only_every_nth_step_is_audited():
+    audit = ObjectiveAudit(every_n_steps=2, on_mismatch="raise")
+    fit(Trace([[9.0, 9.0], [7.0] * 6, [8.0], [1.0, 2.0, 3.0], [5.0]]), audit, accumulate=1)
+    assert [r.step for r in audit.reports] == [0, 2, 4]
+    assert all(r.objective_error < 1e-6 and r.passed for r in audit.reports)
+
+
+def test_the_audit_is_off_by_default():
+    audit = ObjectiveAudit()
+    fit(Trace([[9.0, 9.0], [7.0] * 6]), audit, accumulate=2)  # would warn (an error here) if it audited
+    assert audit.reports == []
+
+
+def test_the_replay_reuses_the_random_state_of_each_microbatch():
+    # with a fresh dropout mask in the replay the gradients would differ and the audit would raise
+    torch.manual_seed(0)
+    module = Trace([[9.0] * 8, [7.0] * 8, [8.0] * 8], dropout=0.5)
+    audit = ObjectiveAudit(every_n_steps=1, on_mismatch="raise", rtol=1e-6)
+    fit(module, audit, accumulate=1)
+    assert len(audit.reports) == 3 and all(r.passed for r in audit.reports)
+
+
+def test_buffers_changed_by_the_replay_are_restored():
+    stats = []
+    for audit in (None, ObjectiveAudit(every_n_steps=1, on_mismatch="raise")):
+        module = Trace([[9.0, 1.0], [7.0, 3.0, 2.0]], norm=True)
+        fit(module, audit, accumulate=1)
+        assert module.norm is not None
+        stats.append((module.norm.running_mean.clone(), int(module.norm.num_batches_tracked)))
+    assert torch.equal(stats[0][0], stats[1][0]) and stats[0][1] == stats[1][1] == 2
+
+
+class Manual(Trace):
+    def __init__(self) -> None:
+        super().__init__([[1.0]])
+        self.automatic_optimization = False
+
+
+def test_manual_optimization_is_rejected_with_the_fix():
+    with pytest.raises(ValueError, match=r"needs automatic optimization.*Manual.*Remove the callback"):
+        fit(Manual(), ObjectiveAudit(every_n_steps=1), accumulate=1)

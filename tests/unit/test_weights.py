@@ -1,0 +1,186 @@
+"""The window arithmetic, without processes."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from lightning_weighted._weights import CountProblem, WindowCount, decode, divisor, read_count
+
+
+def _reduce(windows: list[WindowCount]) -> list[float]:
+    """What the SUM all-reduce of every rank's count vector gives."""
+    vectors = [w.vector(rank) for rank, w in enumerate(windows)]
+    return [math.fsum(column) for column in zip(*vectors, strict=False)]
+
+
+def _synchronized_gradient(counts: list[list[float]], mean_grads: list[list[float]], accumulate: int) -> float:
+    """Plays the strategy and the hook for a scalar parameter: scaled microbatch grads, divide, SUM."""
+    windows, buckets = [], []
+    for rank_counts, rank_grads in zip(counts, mean_grads, strict=False):
+        window, bucket = WindowCount(), 0.0
+        for n, g in zip(rank_counts, rank_grads, strict=False):
+            factor = window.add(n) * accumulate  # the strategy's loss multiplier (Lightning divided by A)
+            bucket += factor * g / accumulate
+        windows.append(window)
+        buckets.append(bucket)
+    items = torch.tensor(_reduce(windows)[0], dtype=torch.float64)
+    return sum(b / float(divisor(items, w.reference)) for b, w in zip(buckets, windows, strict=False))
+
+
+def test_worked_trace_gives_the_global_item_mean_where_ddp_gives_the_mean_of_means():
+    # rank 0: targets [9, 9] → n = 2, mean grad 1;  rank 1: [7] * 6 → n = 6, mean grad 3
+    weighted = _synchronized_gradient([[2], [6]], [[1.0], [3.0]], accumulate=1)
+    plain = (1.0 + 3.0) / 2
+    assert weighted == pytest.approx(2.5, abs=1e-15)  # (2·1 + 6·3) / 8
+    assert plain == 2.0
+    assert 10 - 0.1 * weighted == pytest.approx(9.75, abs=1e-15)
+    assert 10 - 0.1 * plain == pytest.approx(9.8, abs=1e-15)
+
+
+def test_worked_trace_divisors_are_the_mean_reducer_scales_half_and_one_and_a_half():
+    windows = [WindowCount(), WindowCount()]
+    windows[0].add(2)
+    windows[1].add(6)
+    items = torch.tensor(_reduce(windows)[0], dtype=torch.float64)
+    world_size = 2
+    # a mean reducer scales each local mean gradient by P·n_r/N: 2·2/8 = 0.5 and 2·6/8 = 1.5
+    scales = [world_size / float(divisor(items, w.reference)) for w in windows]
+    assert scales == [0.5, 1.5]
+    assert (0.5 * 1 + 1.5 * 3) / 2 == 2.5
+
+
+def test_equal_counts_reduce_to_dividing_by_the_world_size():
+    windows = [WindowCount() for _ in range(4)]
+    for w in windows:
+        w.add(5)
+    items = torch.tensor(_reduce(windows)[0], dtype=torch.float64)
+    assert [float(divisor(items, w.reference)) for w in windows] == [4.0] * 4
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_counts_and_windows_match_the_weighted_mean(seed):
+    rng = random.Random(seed)
+    ranks, accumulate = rng.randint(1, 5), rng.randint(1, 4)
+    counts = [[rng.choice([0, 0.5, 1, 3, 17, 2.25]) for _ in range(rng.randint(1, accumulate))] for _ in range(ranks)]
+    grads = [[rng.uniform(-5, 5) for _ in c] for c in counts]
+    total = sum(map(sum, counts))
+    expected = (
+        sum(n * g for cs, gs in zip(counts, grads, strict=False) for n, g in zip(cs, gs, strict=False)) / total
+        if total
+        else 0.0
+    )
+    assert _synchronized_gradient(counts, grads, accumulate) == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
+def test_a_window_without_items_divides_by_one_and_stays_zero():
+    windows = [WindowCount(), WindowCount()]
+    windows[0].add(0)
+    summed = _reduce(windows)
+    assert decode(summed).items == 0.0
+    assert float(divisor(torch.tensor(summed[0], dtype=torch.float64), windows[0].reference)) == 1.0
+
+
+@pytest.mark.parametrize("count", [2**24 + 1, 2**31, 2**40 + 1])
+def test_large_counts_stay_exact_in_the_float64_vector(count):
+    windows = [WindowCount(), WindowCount(), WindowCount()]
+    for w in windows:
+        w.add(count)
+    summed = torch.tensor(_reduce(windows), dtype=torch.float64)
+    assert int(summed[0].item()) == 3 * count
+
+
+def test_float32_would_round_the_count_that_float64_keeps():
+    assert torch.tensor(2.0**24 + 1, dtype=torch.float32).item() == 2**24
+
+
+def test_1001_is_exact_where_bfloat16_rounds_to_1000():
+    assert torch.tensor(1001.0, dtype=torch.bfloat16).item() == 1000.0
+    windows = [WindowCount(), WindowCount()]
+    for w in windows:
+        assert read_count(torch.tensor(1001, dtype=torch.int64)) == (1001.0, None)
+        w.add(1001.0)
+    assert decode(_reduce(windows)).items == 2002.0
+
+
+def test_the_first_positive_count_is_the_reference_and_factors_are_relative_to_it():
+    window = WindowCount()
+    assert window.add(0) == 0.0
+    assert window.add(4) == 1.0
+    assert window.add(2) == 0.5
+    assert (window.items, window.reference) == (6.0, 4.0)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (3, (3.0, None)),
+        (2.5, (2.5, None)),
+        (torch.tensor(7), (7.0, None)),
+        (torch.tensor(0.25, dtype=torch.float64), (0.25, None)),
+        (0, (0.0, None)),
+        (-1, (-1.0, CountProblem.NEGATIVE)),
+        (math.inf, (math.inf, CountProblem.NOT_FINITE)),
+        (torch.tensor(-math.inf), (-math.inf, CountProblem.NOT_FINITE)),
+    ],
+)
+def test_read_count_accepts_numbers_and_scalar_tensors(value, expected):
+    assert read_count(value) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("3", CountProblem.NOT_A_NUMBER),
+        (None, CountProblem.NOT_A_NUMBER),
+        (True, CountProblem.NOT_A_NUMBER),
+        (torch.tensor([1, 2]), CountProblem.NOT_A_SCALAR),
+        (torch.tensor(True), CountProblem.NOT_A_NUMBER),
+    ],
+)
+def test_read_count_rejects_what_is_not_a_scalar_number(value, problem):
+    assert read_count(value)[1] is problem
+
+
+def test_read_count_flags_nan_as_not_finite():
+    value, problem = read_count(float("nan"))
+    assert math.isnan(value) and problem is CountProblem.NOT_FINITE
+
+
+@pytest.mark.parametrize(
+    ("problem", "value", "error", "match"),
+    [
+        (CountProblem.NEGATIVE, -3.0, ValueError, r"rank 1 returned a negative count -3\.0\. `training_step` must"),
+        (CountProblem.NOT_FINITE, math.nan, ValueError, r"rank 1 returned a count that is not finite \(nan\)"),
+        (CountProblem.NOT_A_NUMBER, math.nan, TypeError, r"rank 1 returned a count that is not a number"),
+        (CountProblem.MISSING, math.nan, ValueError, r"rank 1 returned a dict without a 'count' key"),
+        (CountProblem.NO_LOSS, math.nan, RuntimeError, r"rank 1 returned None instead of a loss"),
+        (CountProblem.NO_GRAPH, math.nan, RuntimeError, r"rank 1 returned a loss that is not attached to the graph"),
+    ],
+)
+def test_one_bad_rank_gives_the_same_error_naming_rank_value_and_fix_everywhere(problem, value, error, match):
+    windows = [WindowCount(), WindowCount()]
+    windows[0].add(4)
+    windows[1].reject(problem, value)
+    summed = _reduce(windows)
+    with pytest.raises(error, match=match):
+        raise decode(summed).error  # type: ignore[misc]
+    assert decode(summed).items == 4.0  # the bad count never enters N
+
+
+def test_several_bad_ranks_are_counted():
+    windows = [WindowCount(), WindowCount(), WindowCount()]
+    windows[0].reject(CountProblem.NEGATIVE, -1.0)
+    windows[2].reject(CountProblem.NOT_FINITE, math.inf)
+    with pytest.raises(ValueError, match="training_step on 2 ranks returned an invalid count or loss"):
+        raise decode(_reduce(windows)).error  # type: ignore[misc]
+
+
+def test_only_the_first_problem_of_a_window_is_reported():
+    window = WindowCount()
+    window.reject(CountProblem.NEGATIVE, -2.0)
+    window.reject(CountProblem.NOT_A_NUMBER)
+    assert window.vector(0) == [0.0, 1.0, float(CountProblem.NEGATIVE), -2.0]
