@@ -7,9 +7,10 @@ Importing this package registers ``"ddp_weighted"``, ``"ddp_weighted_spawn"``, `
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_weighted.hook import WeightedReduceState, weighted_allreduce_hook
+from lightning_weighted.participation import UnpaddedDistributedSampler
 from lightning_weighted.strategy import WeightedDDPStrategy
 
-__all__ = ["WeightedDDPStrategy", "WeightedReduceState", "weighted_allreduce_hook"]
+__all__ = ["UnpaddedDistributedSampler", "WeightedDDPStrategy", "WeightedReduceState", "weighted_allreduce_hook"]
 
 __version__ = "0.1.0"
 

@@ -18,7 +18,7 @@ __all__ = ["CountProblem", "GlobalCount", "WindowCount", "decode", "divisor", "r
 
 # Layout of the float64 vector every rank contributes to the window's count reduction (a SUM).
 # float64 holds every integer up to 2**53 exactly, so item counts and weight sums stay exact.
-ITEMS, INVALID, CODE, VALUE, WIDTH = 0, 1, 2, 3, 4
+ITEMS, INVALID, CODE, VALUE, MORE, WIDTH = 0, 1, 2, 3, 4, 5
 _KINDS = 8  # CODE = rank * _KINDS + kind; decoded only when exactly one rank reports a problem
 
 
@@ -109,12 +109,17 @@ class WindowCount:
         if self.problem is None:
             self.problem = (problem, value if problem in (CountProblem.NEGATIVE, CountProblem.NOT_FINITE) else 0.0)
 
-    def vector(self, rank: int) -> list[float]:
-        """This rank's contribution to the window's count reduction (summed over ranks)."""
+    def vector(self, rank: int, more: bool = True) -> list[float]:
+        """This rank's contribution to the window's count reduction (summed over ranks).
+
+        Args:
+            rank: this rank's global rank.
+            more: whether this rank holds real batches after this window (see :mod:`.participation`).
+        """
         if self.problem is None:
-            return [self.items, 0.0, 0.0, 0.0]
+            return [self.items, 0.0, 0.0, 0.0, float(more)]
         problem, value = self.problem
-        return [self.items, 1.0, float(rank * _KINDS + problem), value]
+        return [self.items, 1.0, float(rank * _KINDS + problem), value, float(more)]
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,7 @@ class GlobalCount:
 
     items: float
     error: Exception | None
+    ranks_with_more: int = 0
 
 
 def decode(summed: Sequence[float]) -> GlobalCount:
@@ -130,21 +136,21 @@ def decode(summed: Sequence[float]) -> GlobalCount:
 
     Example::
 
-        >>> decode([8.0, 0.0, 0.0, 0.0])
-        GlobalCount(items=8.0, error=None)
-        >>> decode([2.0, 1.0, 8 + CountProblem.NEGATIVE, -3.0]).error.args[0][:52]
+        >>> decode([8.0, 0.0, 0.0, 0.0, 2.0])
+        GlobalCount(items=8.0, error=None, ranks_with_more=2)
+        >>> decode([2.0, 1.0, 8 + CountProblem.NEGATIVE, -3.0, 2.0]).error.args[0][:52]
         'training_step on rank 1 returned a negative count -3'
     """
-    invalid = round(summed[INVALID])
+    invalid, more = round(summed[INVALID]), round(summed[MORE])
     if invalid == 0:
-        return GlobalCount(summed[ITEMS], None)
+        return GlobalCount(summed[ITEMS], None, more)
     if invalid == 1:
         rank, kind = divmod(round(summed[CODE]), _KINDS)
         error_type, what = _MESSAGES[CountProblem(kind)]
         message = f"training_step on rank {rank} {what.format(value=summed[VALUE])}. {_FIX}."
-        return GlobalCount(summed[ITEMS], error_type(message))
+        return GlobalCount(summed[ITEMS], error_type(message), more)
     message = f"training_step on {invalid} ranks returned an invalid count or loss. {_FIX}."
-    return GlobalCount(summed[ITEMS], ValueError(message))
+    return GlobalCount(summed[ITEMS], ValueError(message), more)
 
 
 def divisor(items: torch.Tensor, reference: float) -> torch.Tensor:

@@ -13,16 +13,18 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
-from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.data import _update_dataloader, extract_batch_size
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
 from lightning_weighted._weights import CountProblem, WindowCount, decode, read_count
 from lightning_weighted.hook import WeightedReduceState, weighted_allreduce_hook
+from lightning_weighted.participation import ParticipatingLoader, Participation, Policy, UnpaddedDistributedSampler
 
 __all__ = ["WeightedDDPStrategy"]
 
@@ -59,7 +61,7 @@ class WeightedDDPStrategy(DDPStrategy):
 
     strategy_name = "ddp_weighted"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, participation: Policy = "pad", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         for name in ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper"):
             if getattr(self, f"_{name}") is not None:
@@ -69,6 +71,10 @@ class WeightedDDPStrategy(DDPStrategy):
                     " `strategy='ddp'` to run your own hook."
                 )
         self.skipped_steps = 0
+        self.padding_step = False
+        self._participation = Participation(participation)
+        self._loading = ""
+        self._batch_idx = 0
         self._hook_state = WeightedReduceState()
         self._window = WindowCount()
         self._factor = 0.0
@@ -113,6 +119,22 @@ class WeightedDDPStrategy(DDPStrategy):
             )
         super().setup(trainer)
         module.lr_scheduler_step = self._wrap_scheduler_step(trainer, module.lr_scheduler_step)  # type: ignore[method-assign,assignment]
+        module.on_train_batch_start = self._wrap_batch_start(module.on_train_batch_start)  # type: ignore[method-assign,assignment]
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        # Lightning names the barrier after the dataloader it is about to process.
+        self._loading = name or ""
+        super().barrier(name)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        if self._loading not in ("train_dataloader()", "val_dataloader()", "test_dataloader()"):
+            return dataloader
+        dataloader = _without_padding(dataloader)
+        if self._loading != "train_dataloader()":
+            return dataloader
+        return ParticipatingLoader(dataloader, self._participation, self.root_device)
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -124,6 +146,9 @@ class WeightedDDPStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         self._skip_step_schedulers = False
         output = super().training_step(*args, **kwargs)
+        if self.padding_step:
+            self._factor = 0.0  # a replayed batch of an exhausted rank contributes nothing
+            return output
         loss = output.get("loss") if isinstance(output, Mapping) else output
         if not isinstance(loss, Tensor):
             self._reject(CountProblem.NO_LOSS)
@@ -153,9 +178,9 @@ class WeightedDDPStrategy(DDPStrategy):
         elif factor != 1:
             closure_loss = closure_loss * factor
         if self.model.require_backward_grad_sync:
-            self._hook_state.start_count_reduction(
-                self._window.vector(self.global_rank), self._window.reference, self.root_device
-            )
+            more = self._participation.has_more(self._batch_idx)
+            vector = self._window.vector(self.global_rank, more)
+            self._hook_state.start_count_reduction(vector, self._window.reference, self.root_device)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
@@ -178,6 +203,7 @@ class WeightedDDPStrategy(DDPStrategy):
         module = self.lightning_module
         if module is not None:
             vars(module).pop("lr_scheduler_step", None)
+            vars(module).pop("on_train_batch_start", None)
         super().teardown()
 
     def _reject(self, problem: CountProblem, value: float = float("nan")) -> None:
@@ -190,6 +216,7 @@ class WeightedDDPStrategy(DDPStrategy):
         self._window = WindowCount()
         if window.error is not None:
             raise window.error
+        self._participation.after_window(window.ranks_with_more, self._batch_idx, self.root_device)
         if window.items == 0:
             # Without gradients no torch optimizer touches parameters or state (momentum, moments, steps).
             optimizer.zero_grad(set_to_none=True)
@@ -201,6 +228,17 @@ class WeightedDDPStrategy(DDPStrategy):
                 " is 0: the optimizer and step-interval LR schedulers were not stepped."
             )
 
+    def _wrap_batch_start(self, hook: Callable[[Any, int], int | None]) -> Callable[[Any, int], int | None]:
+        def on_train_batch_start(batch: Any, batch_idx: int) -> int | None:
+            # Runs before the strategy's own hook and the training step: the place to end the epoch.
+            if self._participation.stop:
+                return -1  # every rank is out of data: Lightning ends the epoch here, on every rank
+            self._batch_idx = batch_idx
+            self.padding_step = self._participation.is_padding(batch_idx)
+            return hook(batch, batch_idx)
+
+        return on_train_batch_start
+
     def _wrap_scheduler_step(self, trainer: Trainer, step: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
         def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
             if self._skip_step_schedulers and any(
@@ -210,6 +248,23 @@ class WeightedDDPStrategy(DDPStrategy):
             step(scheduler, metric)
 
         return lr_scheduler_step
+
+
+def _without_padding(dataloader: object) -> object:
+    """Swaps a padding ``DistributedSampler`` for one that repeats no item: the objective counts each item once."""
+    if not isinstance(dataloader, DataLoader):
+        return dataloader
+    sampler = dataloader.sampler
+    if type(sampler) is not DistributedSampler or sampler.drop_last:
+        return dataloader
+    unpadded = UnpaddedDistributedSampler(
+        sampler.dataset,
+        num_replicas=sampler.num_replicas,
+        rank=sampler.rank,
+        shuffle=sampler.shuffle,
+        seed=sampler.seed,
+    )
+    return _update_dataloader(dataloader, unpadded)
 
 
 def _zero_loss(loss: Tensor | None, module: Module) -> Tensor:

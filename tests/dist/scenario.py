@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torchmetrics
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
@@ -43,6 +44,13 @@ class Config:
     find_unused: bool = False
     bad_count: Sequence[Any] | None = None  # (rank, batch, value) returned as that microbatch's count
     unused_layer: bool = False  # a layer that never enters the loss
+    lengths: Sequence[int] | None = None  # microbatches per rank and epoch, when ranks differ
+    iterable: bool = False  # serve each rank's microbatches from an IterableDataset (no length)
+    items: int | None = None  # one shared dataset of this many items, sharded by Lightning's sampler
+    batch_size: int = 4  # with `items`
+    participation: str = "pad"
+    log_sync_dist: bool = False  # self.log(..., sync_dist=True) on every step, a collective inside training_step
+    val_items: int | None = None  # a validation set of this many items, scored by a weighted MeanMetric
 
 
 def make_model(seed: int) -> nn.Module:
@@ -51,9 +59,11 @@ def make_model(seed: int) -> nn.Module:
 
 
 def make_batches(config: Config, rank: int, epoch: int) -> list[Batch]:
+    if config.items is not None:
+        return _sharded_batches(config, rank, epoch)
     generator = torch.Generator().manual_seed(1000 * config.seed + 100 * epoch + rank)
     batches = []
-    for k in range(config.batches):
+    for k in range(config.batches if config.lengths is None else config.lengths[rank]):
         # rank 0 holds small microbatches, rank 1 large ones: a several-fold imbalance
         size = int(torch.randint(1, 4, (), generator=generator)) + 5 * rank * (k % 2 + 1)
         x = torch.randn(size, 3, generator=generator)
@@ -70,6 +80,32 @@ def make_batches(config: Config, rank: int, epoch: int) -> list[Batch]:
             w = torch.zeros(size)
         batches.append((x, y, w))
     return batches
+
+
+def shared_dataset(config: Config) -> torch.utils.data.TensorDataset:
+    assert config.items is not None
+    generator = torch.Generator().manual_seed(config.seed)
+    x = torch.randn(config.items, 3, generator=generator)
+    y = torch.randn(config.items, generator=generator)
+    w = torch.rand(config.items, generator=generator) * 1.9 + 0.1
+    return torch.utils.data.TensorDataset(x, y, w)
+
+
+def validation_set(config: Config) -> torch.utils.data.TensorDataset:
+    assert config.val_items is not None
+    generator = torch.Generator().manual_seed(config.seed + 7)
+    x = torch.randn(config.val_items, 3, generator=generator)
+    return torch.utils.data.TensorDataset(
+        x, torch.randn(config.val_items, generator=generator), torch.rand(config.val_items, generator=generator) + 0.5
+    )
+
+
+def _sharded_batches(config: Config, rank: int, epoch: int) -> list[Batch]:
+    """What rank `rank` sees in `epoch` under a shuffling sampler that shards without padding."""
+    assert config.items is not None
+    x, y, w = shared_dataset(config).tensors
+    order = torch.randperm(config.items, generator=torch.Generator().manual_seed(epoch))[rank :: config.world_size]
+    return [(x[i], y[i], w[i]) for i in order.split(config.batch_size)]
 
 
 def item_losses(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
@@ -90,6 +126,7 @@ class WeightedModule(LightningModule):
         self.config = config
         self.model = make_model(config.seed)
         self.unused = nn.Linear(2, 2) if config.unused_layer else None
+        self.val_loss = torchmetrics.MeanMetric()
         self.automatic_optimization = not config.manual
 
     def training_step(self, batch: Batch, batch_idx: int) -> dict[str, Any]:
@@ -97,16 +134,32 @@ class WeightedModule(LightningModule):
         losses = item_losses(self.model, x, y)
         mean = (losses * w).sum() / w.sum()  # NaN when every item is masked: 0/0
         count = count_of(self.config, w)
+        if self.config.log_sync_dist:
+            self.log("train/mean", mean.detach().nan_to_num(), sync_dist=True, batch_size=len(w))
         if self.config.bad_count is not None and list(self.config.bad_count[:2]) == [self.global_rank, batch_idx]:
             count = self.config.bad_count[2]
         return {"loss": mean, "count": count}
 
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        x, y, w = batch
+        self.val_loss.update(item_losses(self.model, x, y), weight=w)
+        self.log("val/loss", self.val_loss, on_epoch=True)
+
+    def val_dataloader(self) -> Any:
+        from torch.utils.data import DataLoader
+
+        return DataLoader(validation_set(self.config), batch_size=4)
+
     def train_dataloader(self) -> Any:
         from torch.utils.data import DataLoader
 
-        batches = [b for e in range(self.config.epochs) for b in make_batches(self.config, self.global_rank, e)]
-        per_epoch = len(batches) // self.config.epochs
-        return DataLoader(_EpochList(batches, per_epoch, self), batch_size=None)
+        if self.config.items is not None:
+            return DataLoader(shared_dataset(self.config), batch_size=self.config.batch_size, shuffle=True)
+        epochs = [make_batches(self.config, self.global_rank, e) for e in range(self.config.epochs)]
+        if self.config.iterable:
+            return DataLoader(_EpochStream(epochs, self), batch_size=None)
+        per_epoch = len(epochs[0])
+        return DataLoader(_EpochList([b for e in epochs for b in e], per_epoch, self), batch_size=None)
 
     def configure_optimizers(self) -> Any:
         optimizer = make_optimizer(self.config, self.model.parameters())
@@ -129,6 +182,16 @@ class _EpochList(torch.utils.data.Dataset[Batch]):
         return self.batches[self.module.current_epoch * self.per_epoch + index]
 
 
+class _EpochStream(torch.utils.data.IterableDataset[Batch]):
+    """Streams the current epoch's microbatches of this rank, without a length."""
+
+    def __init__(self, epochs: list[list[Batch]], module: LightningModule) -> None:
+        self.epochs, self.module = epochs, module
+
+    def __iter__(self) -> Any:
+        return iter(self.epochs[self.module.current_epoch])
+
+
 def make_optimizer(config: Config, params: Any) -> torch.optim.Optimizer:
     if config.optimizer == "adam":
         return torch.optim.Adam(params, lr=config.lr)
@@ -136,10 +199,12 @@ def make_optimizer(config: Config, params: Any) -> torch.optim.Optimizer:
 
 
 def windows(config: Config, epoch: int) -> list[range]:
+    """The microbatch indices of each optimizer step: every rank runs as many as the longest rank holds."""
     a = config.accumulate
     if config.schedule is not None:
-        a = max(v for k, v in config.schedule.items() if k <= epoch)
-    return [range(start, min(start + a, config.batches)) for start in range(0, config.batches, a)]
+        a = max(v for k, v in config.schedule.items() if int(k) <= epoch)
+    longest = max(len(make_batches(config, r, epoch)) for r in range(config.world_size))
+    return [range(start, min(start + a, longest)) for start in range(0, longest, a)]
 
 
 def reference(config: Config) -> dict[str, Any]:
@@ -151,7 +216,7 @@ def reference(config: Config) -> dict[str, Any]:
     for epoch in range(config.epochs):
         per_rank = [make_batches(config, r, epoch) for r in range(config.world_size)]
         for window in windows(config, epoch):
-            items = [per_rank[r][k] for r in range(config.world_size) for k in window]
+            items = [per_rank[r][k] for r in range(config.world_size) for k in window if k < len(per_rank[r])]
             x = torch.cat([b[0] for b in items]).double()
             y = torch.cat([b[1] for b in items]).double()
             w = torch.cat([b[2] for b in items]).double()

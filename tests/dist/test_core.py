@@ -53,7 +53,7 @@ def test_a_window_without_items_leaves_params_optimizer_and_scheduler_bit_identi
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
 
 
-def test_the_hook_is_registered_on_cpu_and_adds_one_32_byte_collective_per_optimizer_step(tmp_path):
+def test_the_hook_is_registered_on_cpu_and_adds_one_40_byte_collective_per_optimizer_step(tmp_path):
     config = Config(strategy="ddp_weighted_fork", accumulate=3, batches=7, count_collectives=True)
     result = fit(config, tmp_path)
     for rank in result:
@@ -64,8 +64,8 @@ def test_the_hook_is_registered_on_cpu_and_adds_one_32_byte_collective_per_optim
         lightning = [c for c in rank["collectives"] if c == ("broadcast", "torch.int64", 1)]
         ours = [c for c in rank["collectives"] if c not in lightning]
         assert len(lightning) == 7
-        # per window: the 4 × 8-byte count, launched before the syncing backward, then the one bucket
-        assert ours == [("all_reduce", "torch.float64", 4), ("all_reduce", "torch.float32", 21)] * steps
+        # per window: the 5 × 8-byte count vector, launched before the syncing backward, then the one bucket
+        assert ours == [("all_reduce", "torch.float64", 5), ("all_reduce", "torch.float32", 21)] * steps
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,8 @@ class Recorder(Callback):
         self.config, self.out = config, out
         self.steps: list[dict[str, Any]] = []
         self.collectives: list[tuple[str, str, int]] = []
+        self.padding: list[bool] = []
+        self.validation: list[float] = []
         self._originals: dict[str, Any] = {}
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -52,12 +54,17 @@ class Recorder(Callback):
 
         return wrapper
 
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.validation.append(float(trainer.callback_metrics["val/loss"]))
+        self.validation_params = [p.detach().clone() for p in pl_module.model.parameters()]
+
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         grads = [p.grad for p in pl_module.model.parameters() if p.grad is not None]
         norm = float(torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads]))) if grads else 0.0
         self.steps.append({"norm": norm, "collectives": len(self.collectives)})
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        self.padding.append(bool(getattr(trainer.strategy, "padding_step", False)))
         if not self.steps or "params" in self.steps[-1]:
             return
         optimizer = trainer.optimizers[0]
@@ -78,9 +85,16 @@ class Recorder(Callback):
             "collectives": self.collectives,
             "global_step": trainer.global_step,
             "skipped_steps": getattr(trainer.strategy, "skipped_steps", None),
+            "padding": self.padding,
+            "validation": self.validation,
+            "validation_params": getattr(self, "validation_params", None),
             "comm_hook": trainer.strategy.model._get_ddp_logging_data().get("comm_hook"),
         }
         torch.save(record, f"{self.out}.rank{trainer.global_rank}")
+
+
+def weighted_name(config: Config) -> bool:
+    return config.strategy.startswith("ddp_weighted")
 
 
 def make_strategy(config: Config) -> Any:
@@ -89,7 +103,9 @@ def make_strategy(config: Config) -> Any:
         kwargs["static_graph"] = True
     if config.find_unused:
         kwargs["find_unused_parameters"] = True
-    weighted = config.strategy.startswith("ddp_weighted")
+    if weighted_name(config) and config.participation != "pad":
+        kwargs["participation"] = config.participation
+    weighted = weighted_name(config)
     start_method = config.strategy.removeprefix("ddp_weighted" if weighted else "ddp").lstrip("_") or "popen"
     cls = lightning_weighted.WeightedDDPStrategy if weighted else DDPStrategy
     return cls(start_method=start_method, **kwargs)
@@ -120,7 +136,9 @@ def main() -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        use_distributed_sampler=False,
+        use_distributed_sampler=config.items is not None or config.val_items is not None,
+        num_sanity_val_steps=0,
+        limit_val_batches=None if config.val_items is not None else 0,
     )
     trainer.fit(WeightedModule(config))
 

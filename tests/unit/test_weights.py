@@ -183,4 +183,4 @@ def test_only_the_first_problem_of_a_window_is_reported():
     window = WindowCount()
     window.reject(CountProblem.NEGATIVE, -2.0)
     window.reject(CountProblem.NOT_A_NUMBER)
-    assert window.vector(0) == [0.0, 1.0, float(CountProblem.NEGATIVE), -2.0]
+    assert window.vector(0) == [0.0, 1.0, float(CountProblem.NEGATIVE), -2.0, 1.0]
