@@ -18,8 +18,8 @@ __all__ = ["CountProblem", "GlobalCount", "WindowCount", "decode", "divisor", "r
 
 # Layout of the float64 vector every rank contributes to the window's count reduction (a SUM).
 # float64 holds every integer up to 2**53 exactly, so item counts and weight sums stay exact.
-ITEMS, INVALID, CODE, VALUE, MORE, WIDTH = 0, 1, 2, 3, 4, 5
-_KINDS = 8  # CODE = rank * _KINDS + kind; decoded only when exactly one rank reports a problem
+ITEMS, INVALID, CODE, VALUE, MORE, LOSS, WIDTH = 0, 1, 2, 3, 4, 5, 6
+_KINDS = 16  # CODE = rank * _KINDS + kind; decoded only when exactly one rank reports a problem
 
 
 class CountProblem(IntEnum):
@@ -32,28 +32,33 @@ class CountProblem(IntEnum):
     MISSING = 5
     NO_LOSS = 6
     NO_GRAPH = 7
+    FRACTIONAL = 8
 
 
 _FIX = (
-    "`training_step` must return `{'loss': local_mean, 'count': n}` where `n` is the number of valid items"
-    " (or the sum of sample weights) behind `local_mean`: an int, a float or a 0-dim tensor, finite and >= 0"
+    "Return `{'loss': local_mean, 'count': n}` from `training_step` (or count with `ItemCounter`), where `n` is"
+    " the number of valid items (or the sum of sample weights) behind `local_mean`: an int, a float or a 0-dim"
+    " tensor, finite and >= 0"
 )
 _MESSAGES: dict[CountProblem, tuple[type[Exception], str]] = {
-    CountProblem.NEGATIVE: (ValueError, "returned a negative count {value!r}"),
-    CountProblem.NOT_FINITE: (ValueError, "returned a count that is not finite ({value!r})"),
-    CountProblem.NOT_A_NUMBER: (TypeError, "returned a count that is not a number"),
-    CountProblem.NOT_A_SCALAR: (TypeError, "returned a count tensor with more than one element"),
-    CountProblem.MISSING: (ValueError, "returned a dict without a 'count' key"),
-    CountProblem.NO_LOSS: (RuntimeError, "returned None instead of a loss"),
-    CountProblem.NO_GRAPH: (RuntimeError, "returned a loss that is not attached to the graph (no grad_fn)"),
+    CountProblem.NEGATIVE: (ValueError, "a microbatch's count is negative ({value!r})"),
+    CountProblem.NOT_FINITE: (ValueError, "a microbatch's count is not finite ({value!r})"),
+    CountProblem.NOT_A_NUMBER: (TypeError, "a microbatch's count is not a number"),
+    CountProblem.NOT_A_SCALAR: (TypeError, "a microbatch's count is a tensor with more than one element"),
+    CountProblem.MISSING: (ValueError, "training_step returned a dict without a 'count' key"),
+    CountProblem.NO_LOSS: (RuntimeError, "training_step returned None instead of a loss"),
+    CountProblem.NO_GRAPH: (RuntimeError, "training_step returned a loss that is not attached to the graph"),
+    CountProblem.FRACTIONAL: (ValueError, "a microbatch's count of examples or tokens is fractional ({value!r})"),
 }
+_WITH_VALUE = (CountProblem.NEGATIVE, CountProblem.NOT_FINITE, CountProblem.FRACTIONAL)
 
 
-def read_count(value: object) -> tuple[float, CountProblem | None]:
+def read_count(value: object, integer: bool = False) -> tuple[float, CountProblem | None]:
     """Reads a count on the host and checks it.
 
     Args:
         value: what ``training_step`` returned under ``"count"``: an int, a float or a 0-dim tensor.
+        integer: whether the count must be a whole number (examples, tokens).
 
     Returns:
         ``(count, None)`` for a valid count, else ``(offending value or nan, problem)``.
@@ -79,6 +84,8 @@ def read_count(value: object) -> tuple[float, CountProblem | None]:
         return number, CountProblem.NOT_FINITE
     if number < 0:
         return number, CountProblem.NEGATIVE
+    if integer and not number.is_integer():
+        return number, CountProblem.FRACTIONAL
     return number, None
 
 
@@ -107,7 +114,7 @@ class WindowCount:
     def reject(self, problem: CountProblem, value: float = math.nan) -> None:
         """Records a microbatch that cannot be weighted; the first one is reported for the window."""
         if self.problem is None:
-            self.problem = (problem, value if problem in (CountProblem.NEGATIVE, CountProblem.NOT_FINITE) else 0.0)
+            self.problem = (problem, value if problem in _WITH_VALUE else 0.0)
 
     def vector(self, rank: int, more: bool = True) -> list[float]:
         """This rank's contribution to the window's count reduction (summed over ranks).
@@ -117,9 +124,9 @@ class WindowCount:
             more: whether this rank holds real batches after this window (see :mod:`.participation`).
         """
         if self.problem is None:
-            return [self.items, 0.0, 0.0, 0.0, float(more)]
+            return [self.items, 0.0, 0.0, 0.0, float(more), 0.0]
         problem, value = self.problem
-        return [self.items, 1.0, float(rank * _KINDS + problem), value, float(more)]
+        return [self.items, 1.0, float(rank * _KINDS + problem), value, float(more), 0.0]
 
 
 @dataclass(frozen=True)
@@ -129,6 +136,7 @@ class GlobalCount:
     items: float
     error: Exception | None
     ranks_with_more: int = 0
+    loss_sum: float = 0.0
 
 
 def decode(summed: Sequence[float]) -> GlobalCount:
@@ -136,21 +144,20 @@ def decode(summed: Sequence[float]) -> GlobalCount:
 
     Example::
 
-        >>> decode([8.0, 0.0, 0.0, 0.0, 2.0])
-        GlobalCount(items=8.0, error=None, ranks_with_more=2)
-        >>> decode([2.0, 1.0, 8 + CountProblem.NEGATIVE, -3.0, 2.0]).error.args[0][:52]
-        'training_step on rank 1 returned a negative count -3'
+        >>> decode([8.0, 0.0, 0.0, 0.0, 2.0, 12.0])
+        GlobalCount(items=8.0, error=None, ranks_with_more=2, loss_sum=12.0)
+        >>> decode([2.0, 1.0, 16 + CountProblem.NEGATIVE, -3.0, 2.0, 0.0]).error.args[0][:48]
+        "on rank 1, a microbatch's count is negative (-3."
     """
     invalid, more = round(summed[INVALID]), round(summed[MORE])
-    if invalid == 0:
-        return GlobalCount(summed[ITEMS], None, more)
+    error: Exception | None = None
     if invalid == 1:
         rank, kind = divmod(round(summed[CODE]), _KINDS)
         error_type, what = _MESSAGES[CountProblem(kind)]
-        message = f"training_step on rank {rank} {what.format(value=summed[VALUE])}. {_FIX}."
-        return GlobalCount(summed[ITEMS], error_type(message), more)
-    message = f"training_step on {invalid} ranks returned an invalid count or loss. {_FIX}."
-    return GlobalCount(summed[ITEMS], ValueError(message), more)
+        error = error_type(f"on rank {rank}, {what.format(value=summed[VALUE])}. {_FIX}.")
+    elif invalid > 1:
+        error = ValueError(f"on {invalid} ranks, a microbatch's count or loss is invalid. {_FIX}.")
+    return GlobalCount(summed[ITEMS], error, more, summed[LOSS])
 
 
 def divisor(items: torch.Tensor, reference: float) -> torch.Tensor:

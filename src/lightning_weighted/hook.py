@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket
 from torch.futures import Future
 
-from lightning_weighted._weights import WIDTH, divisor
+from lightning_weighted._weights import LOSS, WIDTH, divisor
 
 __all__ = ["WeightedReduceState", "weighted_allreduce_hook"]
 
@@ -59,10 +59,18 @@ class WeightedReduceState:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__()  # type: ignore[misc]
 
-    def start_count_reduction(self, local: Sequence[float], reference: float, device: torch.device) -> None:
+    def start_count_reduction(
+        self, local: Sequence[float], reference: float, device: torch.device, loss_sum: torch.Tensor | None = None
+    ) -> None:
         """Launches the SUM all-reduce of this rank's count vector without waiting for it.
 
         Called before the backward that syncs gradients, so the reduction overlaps that backward.
+
+        Args:
+            local: this rank's count vector (see ``_weights.WindowCount.vector``).
+            reference: this rank's first positive count of the window (0 if none).
+            device: where the gradients live.
+            loss_sum: ``Σ_m n_m · loss_m`` of this rank's window, a device tensor, summed into the last slot.
         """
         if len(local) != WIDTH:
             raise ValueError(f"expected a count vector of length {WIDTH}, got {list(local)}")
@@ -70,7 +78,10 @@ class WeightedReduceState:
         if device.type == "cuda":
             # A pinned, non-blocking copy keeps the host from waiting for the device.
             counts = counts.pin_memory()
-        self._counts = counts.to(device, non_blocking=True)
+        counts = counts.to(device, non_blocking=True)
+        if loss_sum is not None:
+            counts[LOSS] += loss_sum.to(device=device, dtype=torch.float64)
+        self._counts = counts
         self._work = dist.all_reduce(self._counts, group=self.process_group, async_op=True)
         self._divisor = None
         self._reference = reference

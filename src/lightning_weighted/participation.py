@@ -79,26 +79,33 @@ class Participation:
         self.real: int | None = None  # this rank's real batches this epoch, once known
         self.seen = 0  # real batches handed out so far this epoch
         self.stop = False
+        # Lightning's `batch_idx` starts past 0 on a mid-epoch resume while a loader without state starts over,
+        # so loader positions are counted from the epoch's first `batch_idx`.
+        self._first_batch_idx: int | None = None
+        self.position = 0
 
     def new_epoch(self) -> None:
         """Forgets the last epoch (called when the train dataloader is iterated anew)."""
-        self.real, self.seen, self.stop = None, 0, False
+        self.real, self.seen, self.stop, self._first_batch_idx, self.position = None, 0, False, None, 0
 
-    def is_padding(self, batch_idx: int) -> bool:
-        """Whether batch ``batch_idx`` of this epoch is a replay of an exhausted rank."""
-        return self.real is not None and batch_idx >= self.real
+    def begin_batch(self, batch_idx: int) -> bool:
+        """Notes Lightning's ``batch_idx``; returns whether this batch is a replay of an exhausted rank."""
+        if self._first_batch_idx is None:
+            self._first_batch_idx = batch_idx
+        self.position = batch_idx - self._first_batch_idx
+        return self.real is not None and self.position >= self.real
 
-    def has_more(self, batch_idx: int) -> bool:
-        """Whether this rank holds a real batch after ``batch_idx`` (the lookahead makes this known)."""
-        return self.real is None or self.real > batch_idx + 1
+    def has_more(self) -> bool:
+        """Whether this rank holds a real batch after the current one (the lookahead makes this known)."""
+        return self.real is None or self.real > self.position + 1
 
-    def after_window(self, ranks_with_more: int, batch_idx: int, device: torch.device) -> None:
+    def after_window(self, ranks_with_more: int, device: torch.device) -> None:
         """Acts on the summed ``has_more`` flags of a window's count reduction, identically on every rank."""
         if ranks_with_more == 0:
             self.stop = True
         elif self.policy == "strict" and ranks_with_more != dist.get_world_size():
             counts = _gather_counts(self.real if self.real is not None else -1, device)
-            raise ValueError(_strict_message(counts, f"after batch_idx {batch_idx}"))
+            raise ValueError(_strict_message(counts, f"after loader position {self.position}"))
 
 
 class ParticipatingLoader:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import math
+import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,9 +29,26 @@ from lightning_weighted._weights import CountProblem, WindowCount, decode, read_
 from lightning_weighted.hook import WeightedReduceState, weighted_allreduce_hook
 from lightning_weighted.participation import ParticipatingLoader, Participation, Policy, UnpaddedDistributedSampler
 
-__all__ = ["WeightedDDPStrategy"]
+__all__ = ["WeightedDDPStrategy", "WindowResult"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WindowResult:
+    """What the count reduction of one optimizer step found, the same on every rank except ``local_items``.
+
+    Attributes:
+        step: ``global_step`` before the optimizer step of this window.
+        items: the global item count ``N`` of the window.
+        local_items: this rank's items in the window.
+        loss: the global item mean of the loss, ``Σ_r Σ_m n_rm · loss_rm / N`` (NaN when ``N = 0``).
+    """
+
+    step: int
+    items: float
+    local_items: float
+    loss: float
 
 
 class WeightedDDPStrategy(DDPStrategy):
@@ -74,11 +94,14 @@ class WeightedDDPStrategy(DDPStrategy):
         self.padding_step = False
         self._participation = Participation(participation)
         self._loading = ""
-        self._batch_idx = 0
         self._hook_state = WeightedReduceState()
         self._window = WindowCount()
         self._factor = 0.0
+        self._loss_sum: Tensor | None = None
+        self._supplied: tuple[object, bool] | None = None
+        self._disagreement_reported = False
         self._skip_step_schedulers = False
+        self.last_window: WindowResult | None = None
 
     @classmethod
     @override
@@ -145,6 +168,14 @@ class WeightedDDPStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         self._skip_step_schedulers = False
+        supplied, self._supplied = self._supplied, None
+        join = getattr(self.model, "_join_config", None)
+        if join is not None and join.enable:
+            raise RuntimeError(
+                "DistributedDataParallel.join() is active around a ddp_weighted step. ddp_weighted keeps ranks with"
+                " uneven inputs matched itself (participation='pad'), and join's shadow collectives would pair with"
+                " the count reduction. Remove the join() context."
+            )
         output = super().training_step(*args, **kwargs)
         if self.padding_step:
             self._factor = 0.0  # a replayed batch of an exhausted rank contributes nothing
@@ -157,15 +188,52 @@ class WeightedDDPStrategy(DDPStrategy):
         if loss.grad_fn is None:
             self._reject(CountProblem.NO_GRAPH)
             return output
-        if isinstance(output, Mapping):
-            count, problem = read_count(output["count"]) if "count" in output else (0.0, CountProblem.MISSING)
-        else:
-            count, problem = float(extract_batch_size(args[0])), None
+        count, problem = self._count_of(output, args[0], supplied)
         if problem is not None:
             self._reject(problem, count)
         else:
             self._factor = self._window.add(count)
+            if count > 0:
+                contribution = loss.detach().double() * count
+                self._loss_sum = contribution if self._loss_sum is None else self._loss_sum + contribution
         return output
+
+    def supply_count(self, count: object, integer: bool = False) -> None:
+        """Gives the count of the next microbatch, for a ``training_step`` that does not return one.
+
+        Called by :class:`~lightning_weighted.ItemCounter` before each training step. A ``"count"`` returned by
+        ``training_step`` takes precedence.
+
+        Args:
+            count: the number of valid items of the microbatch (or the sum of its sample weights).
+            integer: whether the count must be a whole number (examples, tokens).
+        """
+        self._supplied = (count, integer)
+
+    def _count_of(
+        self, output: object, batch: Any, supplied: tuple[object, bool] | None
+    ) -> tuple[float, CountProblem | None]:
+        if isinstance(output, Mapping) and "count" in output:
+            count, problem = read_count(output["count"])
+            if supplied is not None and problem is None:
+                self._report_disagreement(count, read_count(*supplied)[0])
+            return count, problem
+        if supplied is not None:
+            return read_count(*supplied)
+        if isinstance(output, Mapping):
+            return math.nan, CountProblem.MISSING
+        return float(extract_batch_size(batch)), None
+
+    def _report_disagreement(self, returned: float, counted: float) -> None:
+        if returned == counted or self._disagreement_reported:
+            return
+        self._disagreement_reported = True
+        warnings.warn(
+            f"On rank {self.global_rank}, training_step returned count={returned!r} but ItemCounter counted"
+            f" {counted!r} for the same microbatch; the returned count is used. Make them agree (e.g. the causal"
+            " shift, `ignore_index`), or drop one of them. Reported once.",
+            stacklevel=2,
+        )
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -178,9 +246,9 @@ class WeightedDDPStrategy(DDPStrategy):
         elif factor != 1:
             closure_loss = closure_loss * factor
         if self.model.require_backward_grad_sync:
-            more = self._participation.has_more(self._batch_idx)
+            more = self._participation.has_more()
             vector = self._window.vector(self.global_rank, more)
-            self._hook_state.start_count_reduction(vector, self._window.reference, self.root_device)
+            self._hook_state.start_count_reduction(vector, self._window.reference, self.root_device, self._loss_sum)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
@@ -213,16 +281,23 @@ class WeightedDDPStrategy(DDPStrategy):
     def _finish_window(self, optimizer: Optimizer) -> None:
         """Reads the window's global count (one host read per optimizer step) and acts on it on every rank."""
         window = decode(self._hook_state.counts().tolist())
-        self._window = WindowCount()
+        local_items = self._window.items
+        self._window, self._loss_sum = WindowCount(), None
         if window.error is not None:
             raise window.error
-        self._participation.after_window(window.ranks_with_more, self._batch_idx, self.root_device)
+        assert self.lightning_module is not None
+        self.last_window = WindowResult(
+            step=self.lightning_module.trainer.global_step,
+            items=window.items,
+            local_items=local_items,
+            loss=window.loss_sum / window.items if window.items > 0 else math.nan,
+        )
+        self._participation.after_window(window.ranks_with_more, self.root_device)
         if window.items == 0:
             # Without gradients no torch optimizer touches parameters or state (momentum, moments, steps).
             optimizer.zero_grad(set_to_none=True)
             self._skip_step_schedulers = True
             self.skipped_steps += 1
-            assert self.lightning_module is not None
             rank_zero_warn(
                 f"The global item count of the window ending at step {self.lightning_module.trainer.global_step}"
                 " is 0: the optimizer and step-interval LR schedulers were not stepped."
@@ -233,8 +308,7 @@ class WeightedDDPStrategy(DDPStrategy):
             # Runs before the strategy's own hook and the training step: the place to end the epoch.
             if self._participation.stop:
                 return -1  # every rank is out of data: Lightning ends the epoch here, on every rank
-            self._batch_idx = batch_idx
-            self.padding_step = self._participation.is_padding(batch_idx)
+            self.padding_step = self._participation.begin_batch(batch_idx)
             return hook(batch, batch_idx)
 
         return on_train_batch_start

@@ -145,6 +145,12 @@ def test_read_count_rejects_what_is_not_a_scalar_number(value, problem):
     assert read_count(value)[1] is problem
 
 
+def test_read_count_requires_whole_numbers_for_examples_and_tokens():
+    assert read_count(2.5, integer=True) == (2.5, CountProblem.FRACTIONAL)
+    assert read_count(torch.tensor(3.0), integer=True) == (3.0, None)
+    assert read_count(2.5) == (2.5, None)
+
+
 def test_read_count_flags_nan_as_not_finite():
     value, problem = read_count(float("nan"))
     assert math.isnan(value) and problem is CountProblem.NOT_FINITE
@@ -153,12 +159,13 @@ def test_read_count_flags_nan_as_not_finite():
 @pytest.mark.parametrize(
     ("problem", "value", "error", "match"),
     [
-        (CountProblem.NEGATIVE, -3.0, ValueError, r"rank 1 returned a negative count -3\.0\. `training_step` must"),
-        (CountProblem.NOT_FINITE, math.nan, ValueError, r"rank 1 returned a count that is not finite \(nan\)"),
-        (CountProblem.NOT_A_NUMBER, math.nan, TypeError, r"rank 1 returned a count that is not a number"),
-        (CountProblem.MISSING, math.nan, ValueError, r"rank 1 returned a dict without a 'count' key"),
-        (CountProblem.NO_LOSS, math.nan, RuntimeError, r"rank 1 returned None instead of a loss"),
-        (CountProblem.NO_GRAPH, math.nan, RuntimeError, r"rank 1 returned a loss that is not attached to the graph"),
+        (CountProblem.NEGATIVE, -3.0, ValueError, r"on rank 1, a microbatch's count is negative \(-3\.0\)\. Return"),
+        (CountProblem.NOT_FINITE, math.nan, ValueError, r"on rank 1, a microbatch's count is not finite \(nan\)"),
+        (CountProblem.NOT_A_NUMBER, math.nan, TypeError, r"on rank 1, a microbatch's count is not a number"),
+        (CountProblem.MISSING, math.nan, ValueError, r"on rank 1, training_step returned a dict without a 'count'"),
+        (CountProblem.NO_LOSS, math.nan, RuntimeError, r"on rank 1, training_step returned None instead of a loss"),
+        (CountProblem.NO_GRAPH, math.nan, RuntimeError, r"training_step returned a loss that is not attached to the"),
+        (CountProblem.FRACTIONAL, 2.5, ValueError, r"on rank 1, a microbatch's count of examples or tokens is fract"),
     ],
 )
 def test_one_bad_rank_gives_the_same_error_naming_rank_value_and_fix_everywhere(problem, value, error, match):
@@ -175,7 +182,7 @@ def test_several_bad_ranks_are_counted():
     windows = [WindowCount(), WindowCount(), WindowCount()]
     windows[0].reject(CountProblem.NEGATIVE, -1.0)
     windows[2].reject(CountProblem.NOT_FINITE, math.inf)
-    with pytest.raises(ValueError, match="training_step on 2 ranks returned an invalid count or loss"):
+    with pytest.raises(ValueError, match="on 2 ranks, a microbatch's count or loss is invalid"):
         raise decode(_reduce(windows)).error  # type: ignore[misc]
 
 
@@ -183,4 +190,4 @@ def test_only_the_first_problem_of_a_window_is_reported():
     window = WindowCount()
     window.reject(CountProblem.NEGATIVE, -2.0)
     window.reject(CountProblem.NOT_A_NUMBER)
-    assert window.vector(0) == [0.0, 1.0, float(CountProblem.NEGATIVE), -2.0, 1.0]
+    assert window.vector(0) == [0.0, 1.0, float(CountProblem.NEGATIVE), -2.0, 1.0, 0.0]

@@ -53,7 +53,7 @@ def test_a_window_without_items_leaves_params_optimizer_and_scheduler_bit_identi
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
 
 
-def test_the_hook_is_registered_on_cpu_and_adds_one_40_byte_collective_per_optimizer_step(tmp_path):
+def test_the_hook_is_registered_on_cpu_and_adds_one_48_byte_collective_per_optimizer_step(tmp_path):
     config = Config(strategy="ddp_weighted_fork", accumulate=3, batches=7, count_collectives=True)
     result = fit(config, tmp_path)
     for rank in result:
@@ -64,8 +64,8 @@ def test_the_hook_is_registered_on_cpu_and_adds_one_40_byte_collective_per_optim
         lightning = [c for c in rank["collectives"] if c == ("broadcast", "torch.int64", 1)]
         ours = [c for c in rank["collectives"] if c not in lightning]
         assert len(lightning) == 7
-        # per window: the 5 × 8-byte count vector, launched before the syncing backward, then the one bucket
-        assert ours == [("all_reduce", "torch.float64", 5), ("all_reduce", "torch.float32", 21)] * steps
+        # per window: the 6 × 8-byte count vector, launched before the syncing backward, then the one bucket
+        assert ours == [("all_reduce", "torch.float64", 6), ("all_reduce", "torch.float32", 21)] * steps
 
 
 @pytest.mark.parametrize(
@@ -119,9 +119,9 @@ def test_unsupported_combinations_are_refused_at_setup_on_every_rank(tmp_path, c
 @pytest.mark.parametrize(
     ("value", "error", "message"),
     [
-        (-3, "ValueError", "training_step on rank 1 returned a negative count -3.0"),
-        (float("nan"), "ValueError", "training_step on rank 1 returned a count that is not finite (nan)"),
-        ("many", "TypeError", "training_step on rank 1 returned a count that is not a number"),
+        (-3, "ValueError", "on rank 1, a microbatch's count is negative (-3.0)"),
+        (float("nan"), "ValueError", "on rank 1, a microbatch's count is not finite (nan)"),
+        ("many", "TypeError", "on rank 1, a microbatch's count is not a number"),
     ],
 )
 def test_a_bad_count_on_one_rank_raises_the_same_error_on_every_rank_before_the_step(tmp_path, value, error, message):

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import csv
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
 
-from lightning_weighted.audit import ObjectiveAudit, ObjectiveMismatchError, imbalance, relative_error, spread
+from lightning_weighted.audit import (
+    ObjectiveAudit,
+    ObjectiveMismatchError,
+    imbalance,
+    is_replaying,
+    relative_error,
+    spread,
+)
 
 
 def test_relative_error_of_plain_ddp_on_the_worked_trace_is_one_fifth():
@@ -85,14 +95,15 @@ class Trace(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fit(module: LightningModule, audit: ObjectiveAudit | None, accumulate: int) -> Trainer:
+def fit(module: LightningModule, audit: ObjectiveAudit | None, accumulate: int, logger: Any = False) -> Trainer:
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
         max_epochs=1,
         accumulate_grad_batches=accumulate,
         callbacks=[audit] if audit is not None else [],
-        logger=False,
+        logger=logger,
+        log_every_n_steps=1,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -105,14 +116,23 @@ def test_lightning_accumulation_on_one_device_is_flagged_as_the_mean_of_microbat
     audit = ObjectiveAudit(every_n_steps=1)
     module = Trace([[9.0, 9.0], [7.0] * 6])
     with pytest.warns(UserWarning, match=r"relative error of 0\.2 .*strategy='ddp_weighted'"):
-        trainer = fit(module, audit, accumulate=2)
+        fit(module, audit, accumulate=2)
     # Lightning: (1 + 3) / 2 = 2; the item mean: (2 · 1 + 6 · 3) / 8 = 2.5
     assert module.grads == [pytest.approx(2.0)]
     (report,) = audit.reports
     assert (report.step, report.norm, report.expected_norm) == (0, pytest.approx(2.0), pytest.approx(2.5))
     assert report.objective_error == pytest.approx(0.2)
     assert (report.replica_error, report.imbalance, report.counts, report.passed) == (0.0, 1.0, (8.0,), False)
-    assert float(trainer.callback_metrics["audit/objective_error"]) == pytest.approx(0.2)
+
+
+def test_audited_steps_reach_the_logger_once_each(tmp_path):
+    audit = ObjectiveAudit(every_n_steps=2, on_mismatch="raise")
+    fit(Trace([[9.0, 9.0], [7.0] * 6, [8.0], [1.0, 2.0, 3.0], [5.0]]), audit, 1, CSVLogger(tmp_path, "run", ""))
+    with open(tmp_path / "run" / "metrics.csv", newline="") as file:
+        audited = [row for row in csv.DictReader(file) if row["audit/objective_error"]]
+    assert [int(row["step"]) for row in audited] == [0, 2, 4]  # not repeated on the steps in between
+    assert max(float(row["audit/objective_error"]) for row in audited) < 1e-6
+    assert [float(row["audit/imbalance"]) for row in audited] == [1.0, 1.0, 1.0]
 
 
 def test_raise_mode_stops_training_before_the_optimizer_step():
@@ -120,13 +140,6 @@ def test_raise_mode_stops_training_before_the_optimizer_step():
     with pytest.raises(ObjectiveMismatchError, match=r"step 0: .*\(norm 2\) .*\(norm 2\.5\) .*error of 0\.2"):
         fit(module, ObjectiveAudit(every_n_steps=1, on_mismatch="raise"), accumulate=2)
     assert float(module.w.detach()) == 10.0
-
-
-def test_a_window_of_one_microbatch_passes_and_only_every_nth_step_is_audited():
-    audit = ObjectiveAudit(every_n_steps=2, on_mismatch="raise")
-    fit(Trace([[9.0, 9.0], [7.0] * 6, [8.0], [1.0, 2.0, 3.0], [5.0]]), audit, accumulate=1)
-    assert [r.step for r in audit.reports] == [0, 2, 4]
-    assert all(r.objective_error < 1e-6 and r.passed for r in audit.reports)
 
 
 def test_the_audit_is_off_by_default():
@@ -163,3 +176,49 @@ class Manual(Trace):
 def test_manual_optimization_is_rejected_with_the_fix():
     with pytest.raises(ValueError, match=r"needs automatic optimization.*Manual.*Remove the callback"):
         fit(Manual(), ObjectiveAudit(every_n_steps=1), accumulate=1)
+
+
+class CountsItems(Trace):
+    def training_step(self, batch: Tensor, batch_idx: int) -> Any:
+        self.log("items", float(len(batch)), on_step=False, on_epoch=True, reduce_fx="sum")
+        return super().training_step(batch, batch_idx)
+
+
+def test_what_training_step_logs_is_not_logged_again_by_the_replay():
+    audit = ObjectiveAudit(every_n_steps=2, on_mismatch="raise")
+    trainer = fit(CountsItems([[9.0, 9.0], [7.0] * 6, [1.0]]), audit, accumulate=1)
+    assert len(audit.reports) == 2  # steps 0 and 2 replayed 2 + 1 items
+    assert float(trainer.callback_metrics["items"]) == 9.0  # 2 + 6 + 1, logged once each
+
+
+class RecordsReplays(Trace):
+    def training_step(self, batch: Tensor, batch_idx: int) -> Any:
+        self.calls.append(is_replaying())
+        return super().training_step(batch, batch_idx)
+
+
+def test_is_replaying_tells_the_audit_replay_apart_from_training():
+    module = RecordsReplays([[9.0, 9.0], [7.0] * 6, [8.0]])
+    module.calls = []
+    fit(module, ObjectiveAudit(every_n_steps=2, on_mismatch="raise"), accumulate=1)
+    assert module.calls == [False, True, False, False, True]  # steps 0 and 2 are replayed once each
+    assert is_replaying() is False
+
+
+class NegativeCount(Trace):
+    def training_step(self, batch: Tensor, batch_idx: int) -> Any:
+        return {**super().training_step(batch, batch_idx), "count": -1}
+
+
+def test_an_invalid_count_stops_the_audit_with_the_expected_form_of_count():
+    with pytest.raises(ValueError, match=r"invalid count on 1 rank\(s\) .* step 0.*a finite int, float or 0-dim"):
+        fit(NegativeCount([[9.0, 9.0]]), ObjectiveAudit(every_n_steps=1), accumulate=1)
+
+
+def test_a_strategy_that_shards_parameters_is_rejected_with_the_fix():
+    class ShardingStrategy:  # stands for FSDP or DeepSpeed: no rank holds every parameter
+        pass
+
+    trainer = SimpleNamespace(strategy=ShardingStrategy())
+    with pytest.raises(ValueError, match=r"every rank to hold all parameters, which ShardingStrategy does not.*'ddp'"):
+        ObjectiveAudit(every_n_steps=1).setup(trainer, Trace([[1.0]]), "fit")  # type: ignore[arg-type]

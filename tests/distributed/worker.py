@@ -17,7 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -37,9 +38,13 @@ class Recorder(Callback):
         self.collectives: list[tuple[str, str, int]] = []
         self.padding: list[bool] = []
         self.validation: list[float] = []
+        self.windows: list[tuple[int, float, float]] = []  # (global_step, N, local items) per optimizer step
+        self.batches: list[tuple[int, int]] = []
         self._originals: dict[str, Any] = {}
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.config.join:
+            trainer.strategy.model.join().__enter__()  # as a user wrapping the loop in `ddp.join()` would
         if self.config.count_collectives:
             for name in _COLLECTIVES:
                 self._originals[name] = original = getattr(dist, name)
@@ -63,8 +68,14 @@ class Recorder(Callback):
         norm = float(torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads]))) if grads else 0.0
         self.steps.append({"norm": norm, "collectives": len(self.collectives)})
 
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self.batches.append((trainer.global_step, float(batch[2].sum())))  # the items of this batch, by step
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         self.padding.append(bool(getattr(trainer.strategy, "padding_step", False)))
+        window = getattr(trainer.strategy, "last_window", None)
+        if window is not None and (not self.windows or self.windows[-1][0] != window.step):
+            self.windows.append((window.step, window.items, window.local_items))
         if not self.steps or "params" in self.steps[-1]:
             return
         optimizer = trainer.optimizers[0]
@@ -88,6 +99,8 @@ class Recorder(Callback):
             "padding": self.padding,
             "validation": self.validation,
             "validation_params": getattr(self, "validation_params", None),
+            "windows": self.windows,
+            "batches": self.batches,
             "comm_hook": trainer.strategy.model._get_ddp_logging_data().get("comm_hook"),
         }
         torch.save(record, f"{self.out}.rank{trainer.global_rank}")
@@ -98,7 +111,7 @@ def weighted_name(config: Config) -> bool:
 
 
 def make_strategy(config: Config) -> Any:
-    kwargs: dict[str, Any] = {"timeout": timedelta(seconds=30)}
+    kwargs: dict[str, Any] = {"timeout": timedelta(seconds=config.pg_timeout)}
     if config.static_graph:
         kwargs["static_graph"] = True
     if config.find_unused:
@@ -109,6 +122,21 @@ def make_strategy(config: Config) -> Any:
     start_method = config.strategy.removeprefix("ddp_weighted" if weighted else "ddp").lstrip("_") or "popen"
     cls = lightning_weighted.WeightedDDPStrategy if weighted else DDPStrategy
     return cls(start_method=start_method, **kwargs)
+
+
+def make_counter(config: Config) -> Callback:
+    if config.counter == "bad":
+
+        calls = []
+
+        def count_fn(batch: Any) -> Any:
+            calls.append(1)  # rank 1's third microbatch claims a negative count
+            return -1 if dist.get_rank() == 1 and len(calls) == 3 else batch[2].sum()
+
+        return lightning_weighted.ItemCounter(count_fn)
+    if config.counter == "examples":
+        return lightning_weighted.ItemCounter("examples")
+    return lightning_weighted.ItemCounter("tokens", key=2, mask=True)
 
 
 def main() -> None:
@@ -123,6 +151,13 @@ def main() -> None:
     callbacks: list[Callback] = [recorder]
     if config.schedule is not None:
         callbacks.append(GradientAccumulationScheduler({int(k): v for k, v in config.schedule.items()}))
+    if config.checkpoint:
+        callbacks.append(ModelCheckpoint(dirpath=f"{args.out}.ckpt", save_top_k=-1, save_on_train_epoch_end=True))
+        callbacks.append(OnExceptionCheckpoint(dirpath=f"{args.out}.ckpt"))
+    logger: Any = False
+    if config.counter is not None:
+        callbacks.append(make_counter(config))
+        logger = CSVLogger(f"{args.out}.logs", name="", version="")
     trainer = Trainer(
         strategy=make_strategy(config),
         accelerator="cpu",
@@ -131,16 +166,18 @@ def main() -> None:
         accumulate_grad_batches=1 if config.schedule is not None else config.accumulate,
         precision=config.precision,  # type: ignore[arg-type]
         gradient_clip_val=config.clip,
+        gradient_clip_algorithm=config.clip_algorithm,
         callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
+        logger=logger,
+        log_every_n_steps=1,
+        enable_checkpointing=config.checkpoint,
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=config.items is not None or config.val_items is not None,
         num_sanity_val_steps=0,
         limit_val_batches=None if config.val_items is not None else 0,
     )
-    trainer.fit(WeightedModule(config))
+    trainer.fit(WeightedModule(config), ckpt_path=config.resume)
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ def test_strict_participation_names_each_ranks_batch_count(tmp_path):
 def test_strict_participation_on_unsized_data_stops_at_the_first_uneven_window(tmp_path):
     config = Config(strategy="ddp_weighted", lengths=(5, 3), iterable=True, participation="strict")
     done = fit(config, tmp_path, timeout=90, expect_failure=True)
-    assert done.stdout.count("but they differ after batch_idx 2 (rank 0: ?, rank 1: 3)") == 2, done.stdout[-3000:]
+    assert done.stdout.count("but they differ after loader position 2 (rank 0: ?, rank 1: 3)") == 2, done.stdout[-3000:]
 
 
 def test_strict_participation_with_even_shards_trains_normally(tmp_path):

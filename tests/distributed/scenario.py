@@ -51,6 +51,18 @@ class Config:
     participation: str = "pad"
     log_sync_dist: bool = False  # self.log(..., sync_dist=True) on every step, a collective inside training_step
     val_items: int | None = None  # a validation set of this many items, scored by a weighted MeanMetric
+    counter: str | None = None  # "mask": ItemCounter counts the mask; "bad": a count_fn that fails on rank 1
+    bare_loss: bool = False  # training_step returns the mean alone
+    merged_from: int | None = None  # world_size 1 holding, as microbatch k, every rank's microbatch k of this size
+    checkpoint: bool = False  # save a checkpoint at each epoch end and on an exception
+    resume: str | None = None  # checkpoint to resume from
+    raise_at: Sequence[int] | None = None  # (epoch, batch_idx) where training_step raises on every rank
+    count_override: float | None = None  # every microbatch returns this count (an int when it is whole)
+    fault: Sequence[Any] | None = None  # (kind, rank, batch_idx): see `inject`
+    pg_timeout: float = 30.0
+    clip_algorithm: str = "norm"
+    compile: bool = False  # torch.compile the model (aot_eager: the DDP graph splitting without a C++ build)
+    join: bool = False  # enter DistributedDataParallel.join() around training
 
 
 def make_model(seed: int) -> nn.Module:
@@ -61,6 +73,11 @@ def make_model(seed: int) -> nn.Module:
 def make_batches(config: Config, rank: int, epoch: int) -> list[Batch]:
     if config.items is not None:
         return _sharded_batches(config, rank, epoch)
+    if config.merged_from is not None:
+        ranks = [make_batches(dataclasses.replace(config, merged_from=None, world_size=config.merged_from), r, epoch)
+                 for r in range(config.merged_from)]
+        return [tuple(torch.cat(parts) for parts in zip(*(b[k] for b in ranks if k < len(b)), strict=True))
+                for k in range(max(map(len, ranks)))]  # type: ignore[misc]
     generator = torch.Generator().manual_seed(1000 * config.seed + 100 * epoch + rank)
     batches = []
     for k in range(config.batches if config.lengths is None else config.lengths[rank]):
@@ -125,20 +142,44 @@ class WeightedModule(LightningModule):
         super().__init__()
         self.config = config
         self.model = make_model(config.seed)
+        if config.compile:
+            self.model = torch.compile(self.model, backend="aot_eager")  # type: ignore[assignment]
+        if config.precision == "64-true":
+            # Lightning restores checkpoint weights before it converts the module: keep them float64 throughout
+            self.model.double()
         self.unused = nn.Linear(2, 2) if config.unused_layer else None
         self.val_loss = torchmetrics.MeanMetric()
         self.automatic_optimization = not config.manual
 
     def training_step(self, batch: Batch, batch_idx: int) -> dict[str, Any]:
         x, y, w = batch
+        if self.config.raise_at is not None and [self.current_epoch, batch_idx] == list(self.config.raise_at):
+            raise RuntimeError(f"injected failure at epoch {self.current_epoch}, batch {batch_idx}")
         losses = item_losses(self.model, x, y)
         mean = (losses * w).sum() / w.sum()  # NaN when every item is masked: 0/0
         count = count_of(self.config, w)
+        if self.config.fault is not None and self.config.fault[2] == batch_idx:
+            failed = inject(self.config.fault, self.global_rank, "training_step")
+            if failed is not NO_FAULT:
+                return failed  # type: ignore[no-any-return]
+        if self.config.count_override is not None:
+            value = self.config.count_override
+            count = int(value) if float(value).is_integer() else value
+        if self.config.bare_loss:
+            return mean  # type: ignore[return-value]
         if self.config.log_sync_dist:
             self.log("train/mean", mean.detach().nan_to_num(), sync_dist=True, batch_size=len(w))
         if self.config.bad_count is not None and list(self.config.bad_count[:2]) == [self.global_rank, batch_idx]:
             count = self.config.bad_count[2]
         return {"loss": mean, "count": count}
+
+    def on_before_backward(self, loss: Tensor) -> None:
+        if self.config.fault is not None and self.config.fault[2] == self.trainer.fit_loop.epoch_loop.batch_idx:
+            inject(self.config.fault, self.global_rank, "before_backward")
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if self.config.fault is not None and self.config.fault[2] == self.trainer.fit_loop.epoch_loop.batch_idx:
+            inject(self.config.fault, self.global_rank, "step")
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
         x, y, w = batch
@@ -167,6 +208,39 @@ class WeightedModule(LightningModule):
             return optimizer
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+NO_FAULT = object()
+
+
+# where each fault kind strikes; the others strike in training_step, before the window's count reduction
+_POINTS = {"exit_after_count": "before_backward", "kill_after_count": "before_backward", "raise_in_step": "step"}
+
+
+def inject(fault: Sequence[Any], rank: int, where: str) -> Any:
+    """Injects `fault = (kind, rank, batch_idx[, seconds])` on its rank, at the point its kind belongs to."""
+    import os
+    import signal
+    import time
+
+    kind, target = fault[0], fault[1]
+    if rank != target or _POINTS.get(kind, "training_step") != where:
+        return NO_FAULT
+    print(f"FAULT {kind} {time.time():.3f}", flush=True)
+    if kind in ("raise", "raise_in_step"):
+        raise RuntimeError(f"injected {kind} on rank {rank}")
+    if kind in ("exit", "exit_after_count"):
+        os._exit(1)
+    if kind in ("kill", "kill_after_count"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "stall":
+        time.sleep(float(fault[3]))
+        return NO_FAULT
+    if kind == "none":
+        return None
+    if kind == "nograd":
+        return {"loss": torch.tensor(0.0), "count": 3}
+    raise ValueError(f"unknown fault {kind!r}")
 
 
 class _EpochList(torch.utils.data.Dataset[Batch]):
@@ -212,26 +286,40 @@ def reference(config: Config) -> dict[str, Any]:
     model = copy.deepcopy(make_model(config.seed)).double()
     optimizer = make_optimizer(config, model.parameters())
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5) if config.scheduler else None
-    norms = []
+    norms, losses, items, local_items = [], [], [], []
     for epoch in range(config.epochs):
         per_rank = [make_batches(config, r, epoch) for r in range(config.world_size)]
         for window in windows(config, epoch):
-            items = [per_rank[r][k] for r in range(config.world_size) for k in window if k < len(per_rank[r])]
-            x = torch.cat([b[0] for b in items]).double()
-            y = torch.cat([b[1] for b in items]).double()
-            w = torch.cat([b[2] for b in items]).double()
+            held = [per_rank[r][k] for r in range(config.world_size) for k in window if k < len(per_rank[r])]
+            x = torch.cat([b[0] for b in held]).double()
+            y = torch.cat([b[1] for b in held]).double()
+            w = torch.cat([b[2] for b in held]).double()
             if w.sum() == 0:
                 continue  # a window without items changes nothing
             optimizer.zero_grad()
-            ((item_losses(model, x, y) * w).sum() / w.sum()).backward()
+            loss = (item_losses(model, x, y) * w).sum() / w.sum()
+            loss.backward()
+            losses.append(loss.item())
+            items.append(float(w.sum()))
+            local_items.append(
+                [sum(float(per_rank[r][k][2].sum()) for k in window if k < len(per_rank[r])) for r in range(config.world_size)]
+            )
             norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
             norms.append(float(norm))
-            if config.clip is not None:
+            if config.clip is not None and config.clip_algorithm == "value":
+                torch.nn.utils.clip_grad_value_(model.parameters(), config.clip)
+            elif config.clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()
-    return {"params": [p.detach().clone() for p in model.parameters()], "norms": norms}
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "norms": norms,
+        "losses": losses,
+        "items": items,
+        "local_items": local_items,
+    }
 
 
 def max_relative_error(params: Sequence[Tensor], expected: Sequence[Tensor]) -> float:

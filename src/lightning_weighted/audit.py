@@ -1,0 +1,396 @@
+"""``ObjectiveAudit``: checks that an optimizer step's gradient is the gradient of the global item mean.
+
+On an audited step, once every rank's gradient is synchronized and before the optimizer uses it, the audit
+
+1. re-runs ``training_step`` for each microbatch of the window on the unwrapped module (same RNG state,
+   buffers restored afterwards) and takes ``torch.autograd.grad`` of each microbatch mean, never touching
+   ``.grad``; this rank's gradient sum is ``S_r = Σ_m n_m · ḡ_m``;
+2. SUM-reduces ``[S_r, n_r]`` in float64, so every rank holds the intended gradient ``g* = Σ_r S_r / N``
+   (the objective is stated in :mod:`lightning_weighted.hook`);
+3. compares ``g*`` with the gradient in ``.grad`` (the one the optimizer is about to use):
+   ``objective_error = max|g - g*| / max|g*|``;
+4. all-gathers per-rank checksums of parameters and gradients: ``replica_error`` is their largest relative
+   spread across ranks, 0 when the replicas agree.
+
+Nothing depends on the strategy that produced ``.grad``, so the audit measures plain ``"ddp"`` as well as
+``"ddp_weighted"``. On the worked trace of :mod:`lightning_weighted.hook` plain DDP's gradient is 2.0
+where ``g* = 2.5``: an objective error of 0.2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_weighted._weights import CountProblem, read_count
+from lightning_weighted.callback import ItemCounter
+
+__all__ = [
+    "AuditReport",
+    "ObjectiveAudit",
+    "ObjectiveMismatchError",
+    "imbalance",
+    "is_replaying",
+    "relative_error",
+    "spread",
+]
+
+_FIX = (
+    "Train with `strategy='ddp_weighted'` (after `import lightning_weighted`) and return"
+    " `{'loss': local_mean, 'count': n}` from `training_step`, where `n` is the number of valid items behind"
+    " `local_mean`"
+)
+
+
+_replaying = False  # True while an audit re-runs `training_step`
+
+
+def is_replaying() -> bool:
+    """Whether ``training_step`` is being re-run by an :class:`ObjectiveAudit` rather than trained on.
+
+    The replay runs ``training_step`` a second time on audited microbatches. ``self.log`` calls are ignored
+    during the replay; guard any other side effect (a counter, a ``torchmetrics`` update) with this.
+
+    Example::
+
+        >>> is_replaying()
+        False
+    """
+    return _replaying
+
+
+class ObjectiveMismatchError(RuntimeError):
+    """Raised by :class:`ObjectiveAudit` with ``on_mismatch="raise"`` when an audited step fails a check."""
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    """What one audited optimizer step measured; identical on every rank.
+
+    Attributes:
+        step: ``trainer.global_step`` before the audited optimizer step (0 for the first step).
+        objective_error: ``max|g - g*| / max|g*|``, where ``g`` is this rank's synchronized gradient and ``g*``
+            the gradient of the global item mean (the largest value over ranks).
+        replica_error: the largest relative spread across ranks of the parameter and gradient checksums.
+        imbalance: ``max_r P · n_r / N``: 1 when every rank holds the same number of items.
+        norm: ``‖g‖``, the L2 norm of the synchronized gradient (rank 0's).
+        expected_norm: ``‖g*‖``, the L2 norm of the gradient of the global item mean.
+        counts: ``n_r``, the window's item count on each rank.
+        passed: both errors are within ``rtol``.
+    """
+
+    step: int
+    objective_error: float
+    replica_error: float
+    imbalance: float
+    norm: float
+    expected_norm: float
+    counts: tuple[float, ...]
+    passed: bool
+
+
+@dataclass
+class _Microbatch:
+    batch: Any
+    batch_idx: int
+    rng: list[Tensor]  # the CPU state, then the device's when it is CUDA
+    padding: bool = False  # an exhausted rank's replay under ddp_weighted: count 0
+
+
+def relative_error(actual: Tensor, expected: Tensor) -> float:
+    """``max|actual - expected| / max|expected|``: 0 when both are zero, ``inf`` when only ``expected`` is.
+
+    Example::
+
+        >>> relative_error(torch.tensor([2.0]), torch.tensor([2.5]))
+        0.2
+    """
+    scale = float(expected.abs().max()) if expected.numel() else 0.0
+    difference = float((actual - expected).abs().max()) if expected.numel() else 0.0
+    if scale == 0:
+        return 0.0 if difference == 0 else math.inf
+    return difference / scale
+
+
+def imbalance(counts: Sequence[float]) -> float:
+    """``max_r P · n_r / N``, the largest factor by which a rank's items are over-represented; 1 if ``N = 0``.
+
+    Example::
+
+        >>> imbalance([2, 6])
+        1.5
+    """
+    total = sum(counts)
+    return len(counts) * max(counts) / total if total > 0 else 1.0
+
+
+def spread(rows: Tensor) -> float:
+    """The largest relative spread ``(max - min) / max|·|`` over the columns of ``rows`` ([ranks, values]).
+
+    Example::
+
+        >>> spread(torch.tensor([[1.0, 4.0], [1.0, 5.0]], dtype=torch.float64))
+        0.2
+    """
+    low, high = rows.min(dim=0).values, rows.max(dim=0).values
+    scale = torch.maximum(low.abs(), high.abs())
+    ratios = torch.where(high == low, torch.zeros_like(scale), (high - low) / scale)
+    return float(ratios.max()) if ratios.numel() else 0.0
+
+
+class ObjectiveAudit(Callback):
+    """Checks, every ``every_n_steps`` optimizer steps, the synchronized gradient against the global item mean.
+
+    Counts come from ``training_step``'s ``{"loss": local_mean, "count": n}``, else from an
+    :class:`~lightning_weighted.ItemCounter` among the callbacks, else from the batch size; a batch that
+    ``ddp_weighted`` replays on a rank out of data (``padding_step``) counts 0, as in training. The
+    audit caches the batches of audited windows only and costs one extra forward and backward per cached
+    microbatch, a float64 copy of the gradients and two collectives, one of gradient size. The replay runs
+    with the RNG state of the original microbatch (CPU and the CUDA device), so dropout draws the same masks;
+    buffers it changes (BatchNorm statistics) are restored and its ``self.log`` calls are ignored. Other side
+    effects of ``training_step`` happen twice on audited microbatches unless guarded by :func:`is_replaying`.
+
+    Args:
+        every_n_steps: audit the optimizer steps whose ``global_step`` is a multiple of it; ``None`` (the
+            default) turns the audit off.
+        on_mismatch: ``"warn"`` (rank 0 warns) or ``"raise"`` (every rank raises
+            :class:`ObjectiveMismatchError`) when an error exceeds ``rtol``.
+        rtol: the largest objective or replica error accepted; ``1e-3`` leaves room for fp32 and fp16 rounding.
+
+    Each audited step is sent to the trainer's loggers as ``audit/objective_error``, ``audit/replica_error`` and
+    ``audit/imbalance`` (at ``step = global_step``), reported by rank 0 at INFO level and kept in :attr:`reports`.
+
+    Example::
+
+        >>> audit = ObjectiveAudit(every_n_steps=100, on_mismatch="raise")
+        >>> audit.reports
+        []
+    """
+
+    def __init__(
+        self, every_n_steps: int | None = None, on_mismatch: Literal["warn", "raise"] = "warn", rtol: float = 1e-3
+    ) -> None:
+        if every_n_steps is not None and (
+            isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1
+        ):
+            raise ValueError(
+                f"`every_n_steps={every_n_steps!r}` is not a positive int: pass how many optimizer steps apart the"
+                " audited steps are (1 audits every step), or None to turn the audit off."
+            )
+        if on_mismatch not in ("warn", "raise"):
+            raise ValueError(f"`on_mismatch={on_mismatch!r}` must be 'warn' or 'raise'.")
+        if not (isinstance(rtol, (int, float)) and math.isfinite(rtol) and rtol >= 0):
+            raise ValueError(f"`rtol={rtol!r}` must be a finite number >= 0, such as 1e-3.")
+        self.every_n_steps = every_n_steps
+        self.on_mismatch = on_mismatch
+        self.rtol = float(rtol)
+        self.reports: list[AuditReport] = []
+        self._window: list[_Microbatch] = []
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.every_n_steps is None:
+            return
+        if not pl_module.automatic_optimization:
+            raise ValueError(
+                f"ObjectiveAudit(every_n_steps={self.every_n_steps}) needs automatic optimization, but"
+                f" {type(pl_module).__name__} sets `automatic_optimization=False`. Remove the callback."
+            )
+        if not isinstance(trainer.strategy, (DDPStrategy, SingleDeviceStrategy)):
+            raise ValueError(
+                f"ObjectiveAudit needs every rank to hold all parameters, which {type(trainer.strategy).__name__}"
+                " does not. Audit with a DDP strategy ('ddp', 'ddp_weighted') or a single device."
+            )
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        # Every microbatch of a window runs at the same `global_step`; the window is cleared when it steps.
+        if self.every_n_steps is None or trainer.global_step % self.every_n_steps != 0:
+            return
+        rng = [torch.get_rng_state()]
+        if pl_module.device.type == "cuda":
+            rng.append(torch.cuda.get_rng_state(pl_module.device))
+        self._window.append(_Microbatch(batch, batch_idx, rng))
+
+    @override
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Tensor) -> None:
+        # `padding_step` is set after the callbacks' `on_train_batch_start`; here it describes this microbatch.
+        if self._window:
+            self._window[-1].padding = bool(getattr(trainer.strategy, "padding_step", False))
+
+    @override
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
+        window, self._window = self._window, []
+        if not window:
+            return
+        report = self._audit(trainer, pl_module, window)
+        self.reports.append(report)
+        # Straight to the loggers: a value `self.log`-ged here would be repeated on every later step's row.
+        metrics = {f"audit/{name}": getattr(report, name) for name in ("objective_error", "replica_error", "imbalance")}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        rank_zero_info(
+            f"ObjectiveAudit step {report.step}: objective error {report.objective_error:.3g} (gradient norm"
+            f" {report.norm:.6g}, global item mean's {report.expected_norm:.6g}), replica error"
+            f" {report.replica_error:.3g}, imbalance max_r P·n_r/N {report.imbalance:.3g} over counts"
+            f" {[round(c, 6) for c in report.counts]}"
+        )
+        if report.passed:
+            return
+        message = _mismatch_message(report, self.rtol)
+        if self.on_mismatch == "raise":
+            raise ObjectiveMismatchError(message)
+        rank_zero_warn(message)
+
+    def _audit(self, trainer: Trainer, pl_module: LightningModule, window: list[_Microbatch]) -> AuditReport:
+        params: list[Tensor] = [param for param in pl_module.parameters() if param.requires_grad]
+        device = pl_module.device
+        gradient_sum, items, invalid = _local_sum(trainer, pl_module, params, window)
+        # One SUM gives every rank Σ_r S_r, N and the number of ranks with an invalid count.
+        totals = torch.cat([gradient_sum, torch.tensor([items, invalid], dtype=torch.float64, device=device)])
+        distributed = dist.is_available() and dist.is_initialized()
+        if distributed:
+            dist.all_reduce(totals)
+        if totals[-1] > 0:
+            raise ValueError(
+                f"training_step returned an invalid count on {int(totals[-1])} rank(s) in the window audited at"
+                f" step {trainer.global_step}. {_FIX}: a finite int, float or 0-dim tensor >= 0."
+            )
+        total_items = float(totals[-2])
+        expected = totals[:-2] / total_items if total_items > 0 else torch.zeros_like(gradient_sum)
+        actual = _flat([param.grad for param in params], params)
+        error = relative_error(actual, expected)
+        param_sum = sum(float(param.detach().double().sum()) for param in params)
+        param_squares = sum(float(param.detach().double().square().sum()) for param in params)
+        checksums = [param_sum, param_squares, actual.sum(), actual.square().sum()]
+        local = torch.tensor(
+            [items, *checksums, error, actual.norm(), expected.norm()],
+            dtype=torch.float64,
+            device=device,
+        )
+        rows = local.unsqueeze(0)
+        if distributed:
+            gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, local)
+            rows = torch.stack(gathered)
+        counts = tuple(float(count) for count in rows[:, 0].tolist())
+        objective_error = float(rows[:, 5].max())  # NaN if any rank's is NaN
+        replica_error = spread(rows[:, 1:5])
+        norm, expected_norm = (float(value) for value in rows[0, 6:8])
+        passed = objective_error <= self.rtol and replica_error <= self.rtol  # False for NaN
+        return AuditReport(
+            trainer.global_step, objective_error, replica_error, imbalance(counts), norm, expected_norm, counts, passed
+        )
+
+
+def _local_sum(
+    trainer: Trainer, pl_module: LightningModule, params: list[Tensor], window: list[_Microbatch]
+) -> tuple[Tensor, float, float]:
+    """Replays the window's microbatches; returns ``(Σ_m n_m · ḡ_m, Σ_m n_m, 1.0 if a count is invalid)``."""
+    total = torch.zeros(sum(param.numel() for param in params), dtype=torch.float64, device=pl_module.device)
+    items, invalid = 0.0, 0.0
+    takes_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
+    counter = next((c for c in trainer.callbacks if isinstance(c, ItemCounter)), None)  # type: ignore[attr-defined]
+    buffers = [(buffer, buffer.detach().clone()) for buffer in pl_module.buffers()]
+    cuda = [pl_module.device] if pl_module.device.type == "cuda" else []
+    with _replay(pl_module), torch.enable_grad():
+        for microbatch in window:
+            with torch.random.fork_rng(devices=cuda):
+                torch.set_rng_state(microbatch.rng[0])
+                if cuda:
+                    torch.cuda.set_rng_state(microbatch.rng[1], cuda[0])
+                with trainer.strategy.precision_plugin.train_step_context():
+                    args = (microbatch.batch, microbatch.batch_idx) if takes_index else (microbatch.batch,)
+                    output = pl_module.training_step(*args)
+            loss = output.get("loss") if isinstance(output, Mapping) else output
+            if not isinstance(loss, Tensor) or loss.grad_fn is None:
+                continue  # Lightning skips a `None` step; a loss without a graph fails its own backward
+            count, problem = _count_of(output, microbatch.batch, counter)
+            if problem is not None:
+                invalid = 1.0
+                continue
+            if count == 0 or microbatch.padding:
+                continue  # exactly zero, also when the mean of a fully masked microbatch is NaN
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            total.add_(_flat(list(grads), params), alpha=count)
+            items += count
+    with torch.no_grad():
+        for buffer, saved in buffers:
+            buffer.copy_(saved)
+    return total, items, invalid
+
+
+def _count_of(output: Any, batch: Any, counter: ItemCounter | None) -> tuple[float, CountProblem | None]:
+    """The microbatch's item count, from the first of: ``output["count"]``, an ``ItemCounter``, the batch size."""
+    if isinstance(output, Mapping) and "count" in output:
+        return read_count(output["count"])
+    if counter is not None:
+        return read_count(counter.count_of(batch))
+    return float(extract_batch_size(batch)), None
+
+
+def _flat(tensors: Sequence[Tensor | None], like: Sequence[Tensor]) -> Tensor:
+    """Concatenates ``tensors`` as float64 on ``like``'s device; a missing tensor reads as zeros shaped as ``like``."""
+    return torch.cat(
+        [
+            (tensor.detach() if tensor is not None else torch.zeros_like(reference)).reshape(-1).double()
+            for tensor, reference in zip(tensors, like, strict=True)
+        ]
+    )
+
+
+@contextlib.contextmanager
+def _replay(pl_module: LightningModule) -> Iterator[None]:
+    """Marks the replay for :func:`is_replaying`; the replay's ``self.log`` calls do nothing (no double logging)."""
+    global _replaying
+
+    def ignore(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    saved = {name: vars(pl_module).get(name) for name in ("log", "log_dict")}
+    for name in saved:
+        setattr(pl_module, name, ignore)
+    _replaying = True
+    try:
+        yield
+    finally:
+        _replaying = False
+        for name, value in saved.items():
+            if value is None:
+                delattr(pl_module, name)
+            else:
+                setattr(pl_module, name, value)
+
+
+def _mismatch_message(report: AuditReport, rtol: float) -> str:
+    parts = [f"ObjectiveAudit at step {report.step}:"]
+    replicas_agree = report.replica_error <= rtol
+    if not replicas_agree:
+        parts.append(
+            f"the replicas disagree: parameter or gradient checksums differ across ranks by a relative"
+            f" {report.replica_error:.4g} (rtol={rtol:g}). Something changed parameters or gradients on some"
+            " ranks only (a callback, an unsynchronized buffer, a rank-dependent `training_step`): make every"
+            " rank apply the same update."
+        )
+    if not report.objective_error <= rtol:
+        parts.append(
+            f"the synchronized gradient (norm {report.norm:.6g}) differs from the gradient of the global item mean"
+            f" (norm {report.expected_norm:.6g}) by a relative error of {report.objective_error:.4g} (rtol={rtol:g});"
+            f" the ranks' item counts are {list(report.counts)} (imbalance max_r P·n_r/N = {report.imbalance:.4g})."
+            + (f" {_FIX}." if replicas_agree else " Make the replicas agree first.")
+        )
+    return " ".join(parts)

@@ -1,0 +1,117 @@
+"""One 2-rank run of the worked trace under `ObjectiveAudit`; every rank saves its reports to `<out>.rank<r>`.
+
+w = 10, per-item loss ½(w − y)². Per optimizer step rank 0 holds targets [9, 9] (then [8] when accumulating),
+rank 1 holds [7] * 6 (then [7, 7]).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import faulthandler
+import json
+import signal
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy
+from torch import Tensor, nn
+
+import lightning_weighted
+from lightning_weighted.audit import ObjectiveAudit
+
+WINDOWS = {0: [[9.0, 9.0], [8.0]], 1: [[7.0] * 6, [7.0, 7.0]]}  # rank -> microbatches of one window
+
+
+@dataclasses.dataclass
+class Config:
+    strategy: str = "ddp"  # ddp | ddp_weighted (fork launcher)
+    accumulate: int = 1
+    steps: int = 1
+    every: int | None = 1
+    on_mismatch: str = "warn"
+    bare: bool = False  # training_step returns the mean only: the audit counts the batch size
+    corrupt: bool = False  # a callback changes rank 1's gradient before the audit sees it
+    short: bool = False  # rank 0 runs out after one window: ddp_weighted replays its batch with count 0
+    counter: bool = False  # an ItemCounter supplies the counts: the first target of each microbatch
+
+
+class Trace(LightningModule):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.config = config
+        self.w = nn.Parameter(torch.tensor([10.0]))
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Any:
+        mean = (0.5 * (self.w - batch) ** 2).mean()
+        self.log("mean", mean)  # the audit's replay must not log it a second time
+        return mean if self.config.bare else {"loss": mean, "count": len(batch)}
+
+    def train_dataloader(self) -> Any:
+        microbatches = WINDOWS[self.global_rank][: self.config.accumulate]
+        steps = 1 if self.config.short and self.global_rank == 0 else self.config.steps
+        data = [torch.tensor(targets) for _ in range(steps) for targets in microbatches]
+        return torch.utils.data.DataLoader(data, batch_size=None)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Corrupt(Callback):
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        if trainer.global_rank == 1:
+            pl_module.w.grad.add_(1.0)
+
+
+class Save(Callback):
+    def __init__(self, audit: ObjectiveAudit, out: str) -> None:
+        self.audit, self.out, self.grads = audit, out, []
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        self.grads.append(float(pl_module.w.grad))
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        record = {
+            "reports": [dataclasses.asdict(r) for r in self.audit.reports],
+            "grads": self.grads,
+            "w": float(pl_module.w.detach()),
+            "global_step": trainer.global_step,
+        }
+        with open(f"{self.out}.rank{trainer.global_rank}", "w") as file:
+            json.dump(record, file)
+
+
+def main() -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    config = Config(**json.loads(args.config))
+    torch.set_num_threads(1)
+    cls = lightning_weighted.WeightedDDPStrategy if config.strategy == "ddp_weighted" else DDPStrategy
+    audit = ObjectiveAudit(every_n_steps=config.every, on_mismatch=config.on_mismatch)  # type: ignore[arg-type]
+    callbacks: list[Callback] = [Corrupt()] if config.corrupt else []
+    if config.counter:
+        callbacks.append(lightning_weighted.ItemCounter(lambda batch: batch[0], integer=False, log=False))
+    callbacks += [audit, Save(audit, args.out)]
+    trainer = Trainer(
+        strategy=cls(start_method="fork", timeout=timedelta(seconds=30)),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        accumulate_grad_batches=config.accumulate,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(Trace(config))
+
+
+if __name__ == "__main__":
+    main()

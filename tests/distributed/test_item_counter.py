@@ -1,0 +1,51 @@
+"""ItemCounter on 2 gloo ranks: counts from the batch, the logged objective, bad counts, disagreements."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+from harness import fit
+from scenario import Config, max_relative_error, reference
+
+
+def _rows(tmp_path: Path, column: str) -> list[dict[str, str]]:
+    (path,) = tmp_path.glob("*.logs/metrics.csv")
+    with path.open() as handle:
+        return [row for row in csv.DictReader(handle) if row.get(column)]
+
+
+def test_counts_from_the_batch_train_the_reference_and_the_csv_holds_the_weighted_objective(tmp_path):
+    config = Config(strategy="ddp_weighted_fork", counter="mask", bare_loss=True, accumulate=2, lengths=(6, 4))
+    expected = reference(config)
+    result = fit(config, tmp_path)
+    assert max_relative_error(result[0]["params"], expected["params"]) < 1e-5
+
+    rows = _rows(tmp_path, "train/items")
+    assert len(rows) == len(expected["losses"]) == 3
+    for row, loss, items, local in zip(rows, expected["losses"], expected["items"], expected["local_items"], strict=True):
+        # the loss before each step, as the float64 reference computes Σ w·ℓ / Σ w over both ranks
+        assert float(row["train/loss"]) == pytest.approx(loss, rel=1e-5)
+        assert float(row["train/items"]) == items
+        assert float(row["train/items_local"]) == local[0]  # rank 0 writes the log
+        assert float(row["train/imbalance"]) == pytest.approx(2 * max(local) / items, rel=1e-6)  # logged as fp32
+        assert float(row["train/items_per_sec"]) > 0
+    (epoch_row,) = _rows(tmp_path, "train/loss_epoch")
+    weighted = sum(l * n for l, n in zip(expected["losses"], expected["items"], strict=True)) / sum(expected["items"])
+    assert float(epoch_row["train/loss_epoch"]) == pytest.approx(weighted, rel=1e-5)
+
+
+def test_a_bad_count_from_count_fn_on_one_rank_raises_on_every_rank(tmp_path):
+    config = Config(strategy="ddp_weighted", counter="bad", bare_loss=True, accumulate=2)
+    done = fit(config, tmp_path, timeout=90, expect_failure=True)
+    assert done.stdout.count("ValueError: on rank 1, a microbatch's count is negative (-1.0)") == 2, done.stdout[-3000:]
+
+
+def test_a_returned_count_takes_precedence_and_a_disagreement_is_reported_once_per_rank(tmp_path):
+    # training_step returns the token count, ItemCounter counts examples: the returned count wins
+    config = Config(strategy="ddp_weighted", counter="examples", mode="tokens")
+    result, output = fit(config, tmp_path, output=True)
+    assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
+    assert output.count("training_step returned count=") == 2, output[-3000:]  # once on each rank
+    assert "but ItemCounter counted" in output

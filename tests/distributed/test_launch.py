@@ -1,0 +1,393 @@
+"""Launches beyond Lightning's own: two torchrun "nodes", two SLURM tasks, LightningCLI, and the GPU check script.
+
+Every run is checked against the float64 single-process reference (`scenario.reference`), under a hard
+timeout and a 30 s process-group timeout, on a free loopback port; leftover processes are killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import inspect
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from harness import ROOT, free_port, run
+from scenario import Config, max_relative_error, reference
+
+import lightning_weighted
+
+HERE = Path(__file__).parent
+CONFIG = Config(accumulate=3, batches=7, epochs=2, mode="tokens")  # uneven counts, a short last window
+RUN_TIMEOUT = 180.0  # seconds for a whole 2-process run; a healthy one takes ~10 s
+# Variables of an enclosing launch that would make Lightning pick the wrong cluster environment.
+_LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _clean_environment(**extra: str) -> dict[str, str]:
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in _LAUNCH_VARIABLES and not key.startswith(("SLURM_", "TORCHELASTIC_", "PL_"))
+    }
+    return {**env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **extra}
+
+
+def _processes_with(token: str) -> list[int]:
+    """Pids of every live process whose command line contains `token` (Linux `/proc`; empty elsewhere)."""
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            if token.encode() in (entry / "cmdline").read_bytes() and int(entry.name) != os.getpid():
+                pids.append(int(entry.name))
+    return pids
+
+
+def _kill(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def run_together(commands: list[list[str]], envs: list[dict[str, str]], token: str, log_dir: Path) -> list[str]:
+    """Runs the commands concurrently, each in its own session; returns their outputs, failing the test on error.
+
+    Every process of the run (torchrun's workers too, which torchrun puts in sessions of their own) carries
+    `token` on its command line: on a hang the workers dump their stacks (SIGUSR1, `faulthandler`), then every
+    process carrying the token is killed, and so is any that outlives a finished run.
+    """
+    logs = [log_dir / f"{token}-{index}.log" for index in range(len(commands))]
+    processes = []
+    started, hung = time.monotonic(), ""
+    try:
+        for command, env, log in zip(commands, envs, logs, strict=True):
+            with log.open("w") as sink:
+                processes.append(
+                    subprocess.Popen(
+                        command, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+                    )
+                )
+        deadline = time.monotonic() + RUN_TIMEOUT
+        failed_at: float | None = None
+        while any(process.poll() is None for process in processes):
+            now = time.monotonic()
+            if failed_at is None and any(process.poll() not in (None, 0) for process in processes):
+                failed_at = now  # one side failed: give the other a moment to report its own error
+            if now > deadline or (failed_at is not None and now > failed_at + 10):
+                why = "hard timeout, a hang" if now > deadline else "a process failed, the others did not exit"
+                hung = f"killed the run after {now - started:.0f}s ({why}; stacks below)\n"
+                _kill(
+                    [pid for pid in _processes_with(token) if b"torch.distributed.run" not in _cmdline(pid)],
+                    signal.SIGUSR1,
+                )
+                time.sleep(2)
+                break
+            time.sleep(0.2)
+    finally:
+        _kill(_processes_with(token), signal.SIGKILL)
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    outputs = [log.read_text(errors="replace") for log in logs]
+    report = hung + "\n".join(
+        f"--- {command[:6]} (exit {p.returncode})\n{out[-6000:]}"
+        for command, p, out in zip(commands, processes, outputs, strict=True)
+    )
+    assert not hung and all(process.returncode == 0 for process in processes), report
+    return outputs
+
+
+def _cmdline(pid: int) -> bytes:
+    with contextlib.suppress(OSError):
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes()
+    return b""
+
+
+def _worker_arguments(config: Config, out: Path, strategy: str, *, instance: bool = False) -> list[str]:
+    arguments = [
+        str(HERE / "node_worker.py"),
+        "--config",
+        json.dumps(dataclasses.asdict(config)),
+        "--out",
+        str(out),
+        "--strategy",
+        strategy,
+        "--num-nodes",
+        "2",
+    ]
+    return [*arguments, "--instance"] if instance else arguments
+
+
+def _records(out: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    records = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(2)]
+    launches = [json.loads(Path(f"{out}.env.rank{r}").read_text()) for r in range(2)]
+    return records, launches
+
+
+def torchrun_fit(config: Config, strategy: str, tmp_path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Two `torchrun --nnodes=2 --nproc_per_node=1 --node_rank=K` launches on this machine, one per node."""
+    token = f"launch-{os.urandom(6).hex()}"
+    out = tmp_path / token
+    port = free_port()
+    commands = [
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc_per_node=1",
+            f"--node_rank={node}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={port}",
+            *_worker_arguments(config, out, strategy),
+        ]
+        for node in range(2)
+    ]
+    run_together(commands, [_clean_environment()] * 2, token, tmp_path)
+    return _records(out)
+
+
+def slurm_fit(config: Config, tmp_path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Two processes with the variables `srun` gives two single-task nodes, started directly (no launcher)."""
+    token = f"launch-{os.urandom(6).hex()}"
+    out = tmp_path / token
+    port = str(free_port())
+    job = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "lw-launch-test",
+        "SLURM_NTASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "1",
+        "SLURM_NNODES": "2",
+        "SLURM_NODELIST": "127.0.0.1",
+        "MASTER_PORT": port,
+    }
+    envs = [
+        _clean_environment(**job, SLURM_PROCID=str(rank), SLURM_NODEID=str(rank), SLURM_LOCALID="0")
+        for rank in range(2)
+    ]
+    # MASTER_ADDR stays unset: SLURMEnvironment takes the first host of SLURM_NODELIST
+    command = [sys.executable, *_worker_arguments(config, out, "ddp_weighted", instance=True)]
+    run_together([command, command], envs, token, tmp_path)
+    return _records(out)
+
+
+def _assert_two_node_launch(launches: list[dict[str, Any]], environment: str, strategy: str) -> None:
+    assert [launch["cluster_environment"] for launch in launches] == [environment] * 2
+    assert [launch["strategy"] for launch in launches] == [strategy] * 2
+    assert [(launch["global_rank"], launch["node_rank"], launch["local_rank"]) for launch in launches] == [
+        (0, 0, 0),
+        (1, 1, 0),
+    ]
+    assert all(launch["world_size"] == 2 and launch["num_nodes"] == 2 for launch in launches)
+    assert all(launch["backend"] == "gloo" and launch["timeout_s"] == 30 for launch in launches)
+
+
+def _assert_matches_reference(records: list[dict[str, Any]], expected: dict[str, Any]) -> None:
+    assert max_relative_error(records[0]["params"], expected["params"]) < 1e-5
+    assert all(torch.equal(a, b) for a, b in zip(records[0]["params"], records[1]["params"], strict=True))
+    assert [step["norm"] for step in records[0]["steps"]] == pytest.approx(expected["norms"], rel=1e-5)
+
+
+def test_two_torchrun_nodes_train_ddp_weighted_like_the_float64_reference(tmp_path: Path) -> None:
+    records, launches = torchrun_fit(CONFIG, "ddp_weighted", tmp_path)
+
+    _assert_two_node_launch(launches, "TorchElasticEnvironment", "WeightedDDPStrategy")
+    _assert_matches_reference(records, reference(CONFIG))
+
+
+def test_two_torchrun_nodes_with_plain_ddp_miss_the_same_reference(tmp_path: Path) -> None:
+    records, launches = torchrun_fit(CONFIG, "ddp", tmp_path)
+
+    _assert_two_node_launch(launches, "TorchElasticEnvironment", "DDPStrategy")
+    # the check above can fail: plain DDP's mean of rank means re-weights the items
+    assert max_relative_error(records[0]["params"], reference(CONFIG)["params"]) > 1e-2
+
+
+def test_two_slurm_tasks_on_two_nodes_train_like_the_float64_reference(tmp_path: Path) -> None:
+    records, launches = slurm_fit(CONFIG, tmp_path)
+
+    _assert_two_node_launch(launches, "SLURMEnvironment", "WeightedDDPStrategy")
+    _assert_matches_reference(records, reference(CONFIG))
+
+
+# ---------------------------------------------------------------------------------------------- LightningCLI
+
+
+def _load_script(monkeypatch: pytest.MonkeyPatch, path: Path) -> ModuleType:
+    """Imports a script as a module registered for this test only (jsonargparse and dataclasses look it up)."""
+    name = f"lightning_weighted_{path.stem}_script"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # scripts may extend the path
+    spec.loader.exec_module(module)
+    return module
+
+
+def _load_cli_example(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    return _load_script(monkeypatch, ROOT / "examples" / "cli.py")
+
+
+# LightningCLI 2.6 still calls jsonargparse APIs deprecated in jsonargparse 4.49 (to be removed in 5.0).
+_JSONARGPARSE_DEPRECATIONS = pytest.mark.filterwarnings(
+    "ignore::jsonargparse._deprecated.JsonargparseDeprecationWarning"
+)
+_CPU = ["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.logger", "false"]
+_CLASS = "lightning_weighted.WeightedDDPStrategy"
+
+
+@_JSONARGPARSE_DEPRECATIONS
+@pytest.mark.parametrize(
+    ("arguments", "start_method", "find_unused", "timeout"),
+    [
+        ([], "popen", False, timedelta(minutes=30)),  # the example's default strategy
+        (["--trainer.strategy", "ddp_weighted"], "popen", False, timedelta(minutes=30)),
+        (["--trainer.strategy", "ddp_weighted_spawn"], "spawn", False, timedelta(minutes=30)),
+        (["--trainer.strategy", "ddp_weighted_find_unused_parameters_true"], "popen", True, timedelta(minutes=30)),
+        (
+            [
+                "--trainer.strategy",
+                _CLASS,
+                "--trainer.strategy.init_args.find_unused_parameters",
+                "true",
+                "--trainer.strategy.init_args.timeout",
+                "0:00:45",
+            ],
+            "popen",
+            True,
+            timedelta(seconds=45),
+        ),
+        (
+            ["--trainer.strategy", _CLASS, "--trainer.strategy.start_method", "fork"],
+            "fork",
+            False,
+            timedelta(minutes=30),
+        ),
+        (["--trainer.strategy", json.dumps({"class_path": _CLASS})], "popen", False, timedelta(minutes=30)),
+    ],
+    ids=["default", "name", "spawn-name", "find-unused-name", "class-path-init-args", "class-path-short", "json"],
+)
+def test_lightning_cli_builds_the_weighted_strategy_from_a_name_or_a_class_path(
+    monkeypatch: pytest.MonkeyPatch, arguments: list[str], start_method: str, find_unused: bool, timeout: timedelta
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["cli.py"])  # LightningCLI warns when both sys.argv and `args` are given
+    cli = _load_cli_example(monkeypatch).main(args=[*_CPU, *arguments], run=False)
+
+    strategy = cli.trainer.strategy
+    assert type(strategy) is lightning_weighted.WeightedDDPStrategy
+    assert strategy._start_method == start_method
+    assert strategy._ddp_kwargs.get("find_unused_parameters", False) is find_unused
+    assert strategy._timeout == timeout
+
+
+@_JSONARGPARSE_DEPRECATIONS
+def test_lightning_cli_offers_the_strategys_own_arguments_and_ddps_under_its_class_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["cli.py"])
+    cli = _load_cli_example(monkeypatch).main(
+        args=[*_CPU, "--trainer.strategy", _CLASS, "--trainer.strategy.timeout", "0:01:00"], run=False
+    )
+
+    offered = cli.config["trainer"]["strategy"]["init_args"]
+    own = {
+        name: parameter.default
+        for name, parameter in inspect.signature(lightning_weighted.WeightedDDPStrategy.__init__).parameters.items()
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+    assert {name: offered[name] for name in own} == own  # every own argument, with its default
+    # DDPStrategy's arguments, and DistributedDataParallel's behind its **kwargs, are seen through *args, **kwargs
+    assert offered["timeout"] == timedelta(minutes=1) and offered["start_method"] == "popen"
+    assert offered["process_group_backend"] is None and offered["find_unused_parameters"] is False
+
+
+@_JSONARGPARSE_DEPRECATIONS
+def test_lightning_cli_reads_a_bare_class_path_as_a_strategy_name_and_the_trainer_rejects_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Documented in docs/cluster.md and examples/cli.py: give one init arg, or use `class_path:` in a config file.
+    monkeypatch.setattr(sys, "argv", ["cli.py"])
+    with pytest.raises(ValueError, match=r"invalid strategy name: `strategy='lightning_weighted.weightedddpstrategy'`"):
+        _load_cli_example(monkeypatch).main(args=[*_CPU, "--trainer.strategy", _CLASS], run=False)
+
+
+def test_lightning_cli_fit_on_two_cpu_processes_matches_the_float64_reference(tmp_path: Path) -> None:
+    config = {"accumulate": CONFIG.accumulate, "batches": CONFIG.batches, "epochs": CONFIG.epochs, "mode": CONFIG.mode}
+    command = [
+        sys.executable, str(ROOT / "examples" / "cli.py"), "fit",
+        "--model", "scenario.WeightedModule", "--model.config", json.dumps(config),
+        "--trainer.accelerator", "cpu", "--trainer.devices", "2",
+        "--trainer.strategy", _CLASS, "--trainer.strategy.timeout", "0:00:30",
+        "--trainer.max_epochs", str(CONFIG.epochs), "--trainer.accumulate_grad_batches", str(CONFIG.accumulate),
+        "--trainer.use_distributed_sampler", "false", "--trainer.limit_val_batches", "0",
+        "--trainer.num_sanity_val_steps", "0", "--trainer.logger", "false",
+        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+        "--trainer.default_root_dir", str(tmp_path),
+    ]  # fmt: skip
+    path = [str(HERE), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]  # `scenario` importable
+    env = {"PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1"}
+    done = run(command, RUN_TIMEOUT, env=env)
+    assert done.returncode == 0, done.stdout[-8000:]
+
+    checkpoints = sorted((tmp_path / "checkpoints").glob("*.ckpt"))
+    assert len(checkpoints) == 1, checkpoints
+    state = torch.load(checkpoints[0], weights_only=False)["state_dict"]
+    params = [tensor for key, tensor in state.items() if key.startswith("model.")]  # WeightedModule.model
+    saved = (tmp_path / "config.yaml").read_text()
+    assert f"class_path: {_CLASS}" in saved and "timeout: 0:00:30" in saved
+    assert max_relative_error(params, reference(CONFIG)["params"]) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------- GPU check
+
+
+def test_gpu_check_prints_skip_and_exits_zero_without_cuda() -> None:
+    done = run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], 120, env={"CUDA_VISIBLE_DEVICES": ""})
+
+    assert done.returncode == 0, done.stdout
+    assert done.stdout.splitlines()[-1].startswith("SKIP gpu_check: no CUDA device"), done.stdout
+    assert "FAIL" not in done.stdout and "Traceback" not in done.stdout, done.stdout
+
+
+def test_gpu_check_dry_run_on_cpu_passes_the_two_rank_trace_for_both_strategies() -> None:
+    # The GPU path with gloo on CPU: the same launch (`parallel_devices` of 2, `devices=1`), records and verdicts.
+    only = ["--only", "trace-ddp_weighted-2", "--only", "trace-ddp-2"]
+    done = run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", *only], 240)
+
+    assert done.returncode == 0, done.stdout[-8000:]
+    verdicts = [line.split()[:3] for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert verdicts == [["PASS", "trace", "ddp_weighted"], ["PASS", "trace", "ddp"]], done.stdout[-8000:]
+    assert "w = 9.750000" in done.stdout and "w = 9.800000" in done.stdout
+    assert done.stdout.splitlines()[-1].startswith("gpu_check: 2/2 passed")
+
+
+def test_gpu_check_fails_a_ddp_weighted_run_that_lands_where_plain_ddp_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu_check = _load_script(monkeypatch, ROOT / "scripts" / "gpu_check.py")
+    right = {
+        "backend": "gloo",
+        "world_size": 2,
+        "device": "cuda:0",
+        "comm_hook": "weighted_allreduce_hook",
+        "steps": 1,
+        "params": [9.75],
+    }
+    trace = gpu_check.Check("trace", "ddp_weighted", 2)
+
+    assert gpu_check.judge(trace, "cuda", [right, right]) == (True, "w = 9.750000 (expected 9.75; 1 step)")
+    assert gpu_check.judge(trace, "cuda", [{**right, "params": [9.8]}] * 2)[0] is False  # plain DDP's answer
+    assert gpu_check.judge(trace, "cuda", [right, {**right, "params": [9.7]}])[0] is False  # replicas disagree
+    assert gpu_check.judge(trace, "cuda", [{**right, "backend": "nccl"}] * 2)[0] is False  # not the asked backend
+    assert gpu_check.judge(trace, "cuda", [{**right, "comm_hook": "None"}] * 2)[0] is False  # our hook not installed

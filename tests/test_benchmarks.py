@@ -1,0 +1,74 @@
+"""Smoke test of the benchmark harness: a tiny grid, few rounds, as a subprocess under a hard timeout.
+
+Asserts what the benchmark must never get wrong (the correctness columns, the extra collective count), not
+timings: no variant may look fast because it is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+WEIGHTED = ("ddp_weighted", "post_hoc", "pre_count")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("bench")
+    command = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--out", str(out),
+               "--levels", "raw,sweep,ablation,trainer", "--timeout", "50", "--pg-timeout", "30"]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    try:
+        output, _ = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"the benchmark smoke run did not finish in 60 s\n{output[-4000:]}")
+    assert process.returncode == 0, output[-6000:]
+    assert (out / "RESULTS.md").exists() and (out / "results.png").stat().st_size > 0
+    data: dict[str, Any] = json.loads((out / "results.json").read_text())
+    return data
+
+
+def entries(data: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    return [(level, entry) for level in ("raw", "sweep", "trainer") for entry in data[level]]
+
+
+def test_every_level_ran_with_the_control(results: dict[str, Any]) -> None:
+    assert results["raw"] and results["sweep"] and results["trainer"] and results["ablation"]
+    for _, entry in entries(results):
+        assert {"ddp", "ddp_control", *WEIGHTED} <= set(entry["ratio"])
+        assert entry["ratio"]["ddp"]["median"] == 1.0
+
+
+def test_weighted_variants_match_the_float64_reference(results: dict[str, Any]) -> None:
+    for level, entry in entries(results):
+        for name in WEIGHTED:
+            # fp32 over a few SGD steps: rounding only (measured ~1e-6)
+            assert entry["deviation"][name] < 1e-4, (level, entry["point"], name, entry["deviation"])
+            assert entry["gradient_deviation"][name] < 1e-5, (level, entry["point"], name)
+
+
+def test_plain_ddp_is_measurably_wrong(results: dict[str, Any]) -> None:
+    for level, entry in entries(results):
+        # rank means averaged over uneven counts: the update is off by a large fraction (measured ~0.6-0.9)
+        assert entry["deviation"]["ddp"] > 0.3, (level, entry["point"], entry["deviation"])
+        assert entry["gradient_deviation"]["ddp"] > 0.3, (level, entry["point"])
+
+
+def test_ddp_weighted_adds_at_most_one_small_collective_per_step(results: dict[str, Any]) -> None:
+    for entry in results["raw"]:
+        calls = entry["collectives"]["ddp_weighted"]
+        buckets, _ = entry["buckets"]["ddp_weighted"]
+        assert calls["gradient_calls"] == buckets  # its hook reduces exactly DDP's buckets
+        assert calls["other_calls"] <= 1 and calls["other_bytes"] <= 64
+        assert entry["collectives"]["ddp"]["other_calls"] == 0

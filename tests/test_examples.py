@@ -1,0 +1,78 @@
+"""examples/tiny_lm.py at a tiny size: "ddp_weighted" sits on the reference, "ddp" drifts, every file is written."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "distributed"))
+from harness import ROOT, run
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny_lm")
+    command = [
+        sys.executable,
+        str(ROOT / "examples" / "tiny_lm.py"),
+        "--out",
+        str(out),
+        "--steps",
+        str(STEPS),
+        "--batch-size",
+        "4",
+        "--hidden",
+        "32",
+        "--audit-every",
+        "4",
+        "--timeout",
+        "30",
+    ]
+    done = run(command, timeout=150)
+    assert done.returncode == 0, done.stdout[-8000:]
+    return out
+
+
+def rows(path: Path, column: str) -> list[dict[str, str]]:
+    with open(path, newline="") as file:
+        return [row for row in csv.DictReader(file) if row.get(column)]
+
+
+def test_tiny_lm_writes_the_figure_the_curves_and_a_csv_log_per_run(tiny_lm):
+    assert (tiny_lm / "tiny_lm.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [int(row["step"]) for row in rows(tiny_lm / "curves.csv", "step")] == list(range(STEPS + 1))
+    for name in ("reference", "ddp", "ddp_weighted"):
+        assert len(rows(tiny_lm / name / "metrics.csv", "global_loss")) == STEPS
+    assert json.loads((tiny_lm / "summary.json").read_text())["steps"] == STEPS
+
+
+def test_ddp_weighted_stays_on_the_reference_while_ddp_drifts_away(tiny_lm):
+    curves = rows(tiny_lm / "curves.csv", "step")
+    weighted = [float(row["distance_ddp_weighted"]) for row in curves]
+    plain = [float(row["distance_ddp"]) for row in curves]
+    assert max(weighted) < 1e-4  # ‖θ − θ_ref‖ / ‖θ_ref‖ at every step: fp32 rounding only
+    assert plain[-1] > 1e-3 and plain[-1] > 100 * weighted[-1]
+
+    def loss_gap(run: str) -> float:
+        losses = rows(tiny_lm / "curves.csv", "loss_reference")
+        assert len(losses) == STEPS
+        return max(abs(float(r[f"loss_{run}"]) / float(r["loss_reference"]) - 1) for r in losses)
+
+    assert loss_gap("ddp_weighted") < 1e-5
+    assert loss_gap("ddp") > 1e-3
+
+
+def test_the_audit_in_the_example_flags_ddp_and_passes_ddp_weighted(tiny_lm):
+    errors = {}
+    for name in ("ddp", "ddp_weighted"):
+        audited = rows(tiny_lm / name / "metrics.csv", "audit/objective_error")
+        assert [int(row["step"]) for row in audited] == [0, 4, 8]
+        errors[name] = [float(row["audit/objective_error"]) for row in audited]
+    assert min(errors["ddp"]) > 0.05
+    assert max(errors["ddp_weighted"]) < 1e-4

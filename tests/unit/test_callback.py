@@ -1,0 +1,101 @@
+"""ItemCounter's presets against hand-counted batches, and its refusals (no processes)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+
+from lightning_weighted import ItemCounter
+from lightning_weighted._weights import CountProblem, read_count
+
+LABELS = torch.tensor(
+    [
+        [3, 4, 5, 6],  # 4 tokens, 3 shifted targets
+        [3, 4, -100, -100],  # 2 tokens, 1 shifted target
+        [-100, -100, -100, -100],  # a fully masked row: 0 and 0
+    ]
+)
+
+
+def test_tokens_count_labels_that_are_not_ignore_index():
+    assert ItemCounter("tokens", key="labels").count_of({"labels": LABELS}) == 6
+
+
+def test_tokens_with_the_causal_shift_count_exactly_the_targets_the_loss_averages_over():
+    logits = torch.randn(3, 4, 10)
+    loss_sum = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, 10), LABELS[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
+    )
+    mean = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 10), LABELS[:, 1:].reshape(-1))
+    count = ItemCounter("tokens", key="labels", shift=True).count_of({"labels": LABELS})
+    assert count == 3 + 1 + 0
+    assert torch.allclose(loss_sum / count, mean)  # the loss's own denominator
+
+
+def test_tokens_from_a_mask_and_a_tuple_index():
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 1]])
+    assert ItemCounter("tokens", key=1, mask=True).count_of((torch.zeros(3, 3), mask)) == 4
+    assert ItemCounter("tokens", key=1, mask=True, shift=True).count_of((torch.zeros(3, 3), mask)) == 2
+
+
+def test_examples_count_the_batch_size_and_weights_sum():
+    batch = {"x": torch.zeros(5, 2), "w": torch.tensor([0.5, 1.5, 0.0, 2.0, 1.0])}
+    assert ItemCounter("examples").count_of(batch) == 5
+    assert ItemCounter("weights", key="w").count_of(batch) == pytest.approx(5.0)
+
+
+def test_a_count_function_is_called_with_the_batch():
+    counter = ItemCounter(lambda batch: len(batch["ids"]) - 1)
+    assert counter.count_of({"ids": [1, 2, 3]}) == 2
+    assert counter.integer is False
+
+
+@pytest.mark.parametrize(
+    ("counter", "batch", "problem"),
+    [
+        (ItemCounter(lambda b: -2), {}, CountProblem.NEGATIVE),
+        (ItemCounter(lambda b: math.nan), {}, CountProblem.NOT_FINITE),
+        (ItemCounter(lambda b: torch.tensor(math.inf)), {}, CountProblem.NOT_FINITE),
+        (ItemCounter(lambda b: "3"), {}, CountProblem.NOT_A_NUMBER),
+        (ItemCounter(lambda b: 2.5, integer=True), {}, CountProblem.FRACTIONAL),
+        (ItemCounter("weights", key="w"), {"w": torch.tensor([1.0, -4.0])}, CountProblem.NEGATIVE),
+    ],
+)
+def test_bad_counts_from_the_batch_are_named_as_problems(counter, batch, problem):
+    # the strategy reads them with `read_count` and raises on every rank (tests/distributed/test_item_counter.py)
+    assert read_count(counter.count_of(batch), integer=counter.integer)[1] is problem
+
+
+def test_a_missing_key_names_what_was_found():
+    with pytest.raises(TypeError, match=r"ItemCounter\(key='labels'\) found NoneType in the batch; expected a tensor"):
+        ItemCounter("tokens", key="labels").count_of({"input_ids": torch.zeros(2)})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"count": "tokenz"}, r"count='tokenz' is not a preset: use 'examples', 'tokens', 'weights' or a function"),
+        ({"count": "tokens"}, r"count='tokens' needs `key=`"),
+        ({"count": "weights"}, r"count='weights' needs `key=`"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ItemCounter(**kwargs)
+
+
+def test_it_refuses_a_strategy_that_does_not_weight():
+    trainer = Trainer(strategy="ddp", accelerator="cpu", devices=2, logger=False)
+    with pytest.raises(ValueError, match=r"ItemCounter supplies counts to `strategy='ddp_weighted'`, but the Trainer"):
+        ItemCounter().setup(trainer, None, "fit")  # type: ignore[arg-type]
+
+
+def test_its_state_round_trips_through_a_checkpoint():
+    counter = ItemCounter()
+    counter.items_total = 123.0
+    restored = ItemCounter()
+    restored.load_state_dict(counter.state_dict())
+    assert restored.items_total == 123.0
