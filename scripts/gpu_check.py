@@ -10,8 +10,8 @@ Checks, each run as its own Lightning training in a subprocess with a hard timeo
 
 Worked trace: ``w = 10``, per-item loss ``½(w − y)²``, SGD lr 0.1, one step. ``ddp_weighted`` lands on
 ``w = 9.75`` (the mean over all 8 items), plain ``ddp`` on ``9.8`` (the mean of the two means); both are checked, so
-the check can tell them apart. Oracle: ``tests/distributed/scenario.py``'s uneven token-masked data trained for 2 epochs with
-3 microbatches per step must match its float64 single-process reference to a relative error below 1e-5.
+the check can tell them apart. Oracle: ``tests/distributed/scenario.py``'s uneven token-masked data trained for
+2 epochs with 3 microbatches per step must match its float64 single-process reference to a relative error below 1e-5.
 
 Prints ``PASS``/``FAIL`` lines with timings and exits 1 on any failure; without a CUDA device it prints ``SKIP``
 and exits 0. ``--device cpu`` runs the same checks on CPU with gloo (a dry run of this script).

@@ -74,10 +74,14 @@ def make_batches(config: Config, rank: int, epoch: int) -> list[Batch]:
     if config.items is not None:
         return _sharded_batches(config, rank, epoch)
     if config.merged_from is not None:
-        ranks = [make_batches(dataclasses.replace(config, merged_from=None, world_size=config.merged_from), r, epoch)
-                 for r in range(config.merged_from)]
-        return [tuple(torch.cat(parts) for parts in zip(*(b[k] for b in ranks if k < len(b)), strict=True))
-                for k in range(max(map(len, ranks)))]  # type: ignore[misc]
+        ranks = [
+            make_batches(dataclasses.replace(config, merged_from=None, world_size=config.merged_from), r, epoch)
+            for r in range(config.merged_from)
+        ]
+        return [
+            tuple(torch.cat(parts) for parts in zip(*(b[k] for b in ranks if k < len(b)), strict=True))
+            for k in range(max(map(len, ranks)))
+        ]  # type: ignore[misc]
     generator = torch.Generator().manual_seed(1000 * config.seed + 100 * epoch + rank)
     batches = []
     for k in range(config.batches if config.lengths is None else config.lengths[rank]):
@@ -301,9 +305,7 @@ def reference(config: Config) -> dict[str, Any]:
             loss.backward()
             losses.append(loss.item())
             items.append(float(w.sum()))
-            local_items.append(
-                [sum(float(per_rank[r][k][2].sum()) for k in window if k < len(per_rank[r])) for r in range(config.world_size)]
-            )
+            local_items.append([sum(float(b[k][2].sum()) for k in window if k < len(b)) for b in per_rank])
             norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
             norms.append(float(norm))
             if config.clip is not None and config.clip_algorithm == "value":

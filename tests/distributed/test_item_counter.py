@@ -24,7 +24,8 @@ def test_counts_from_the_batch_train_the_reference_and_the_csv_holds_the_weighte
 
     rows = _rows(tmp_path, "train/items")
     assert len(rows) == len(expected["losses"]) == 3
-    for row, loss, items, local in zip(rows, expected["losses"], expected["items"], expected["local_items"], strict=True):
+    steps = zip(rows, expected["losses"], expected["items"], expected["local_items"], strict=True)
+    for row, loss, items, local in steps:
         # the loss before each step, as the float64 reference computes Σ w·ℓ / Σ w over both ranks
         assert float(row["train/loss"]) == pytest.approx(loss, rel=1e-5)
         assert float(row["train/items"]) == items
@@ -32,7 +33,8 @@ def test_counts_from_the_batch_train_the_reference_and_the_csv_holds_the_weighte
         assert float(row["train/imbalance"]) == pytest.approx(2 * max(local) / items, rel=1e-6)  # logged as fp32
         assert float(row["train/items_per_sec"]) > 0
     (epoch_row,) = _rows(tmp_path, "train/loss_epoch")
-    weighted = sum(l * n for l, n in zip(expected["losses"], expected["items"], strict=True)) / sum(expected["items"])
+    pairs = zip(expected["losses"], expected["items"], strict=True)
+    weighted = sum(loss * n for loss, n in pairs) / sum(expected["items"])
     assert float(epoch_row["train/loss_epoch"]) == pytest.approx(weighted, rel=1e-5)
 
 
