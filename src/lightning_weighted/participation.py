@@ -16,7 +16,8 @@ from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset, DistributedSampler
+from lightning.pytorch.utilities.data import _update_dataloader
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 __all__ = ["ParticipatingLoader", "Participation", "UnpaddedDistributedSampler"]
 
@@ -179,6 +180,23 @@ class ParticipatingLoader:
         dist.broadcast_object_list(box, src=source)
         if self._template is _END:
             self._template = box[0]
+
+
+def without_padding(dataloader: object) -> object:
+    """Swaps a padding ``DistributedSampler`` for one that repeats no item: the objective counts each item once."""
+    if not isinstance(dataloader, DataLoader):
+        return dataloader
+    sampler = dataloader.sampler
+    if type(sampler) is not DistributedSampler or sampler.drop_last:
+        return dataloader
+    unpadded = UnpaddedDistributedSampler(
+        sampler.dataset,
+        num_replicas=sampler.num_replicas,
+        rank=sampler.rank,
+        shuffle=sampler.shuffle,
+        seed=sampler.seed,
+    )
+    return _update_dataloader(dataloader, unpadded)
 
 
 def _has_len(loader: Any) -> bool:

@@ -16,18 +16,17 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
-from lightning.pytorch.utilities.data import _update_dataloader, extract_batch_size
+from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
 from lightning_weighted._weights import CountProblem, WindowCount, decode, read_count
 from lightning_weighted.hook import WeightedReduceState, weighted_allreduce_hook
-from lightning_weighted.participation import ParticipatingLoader, Participation, Policy, UnpaddedDistributedSampler
+from lightning_weighted.participation import ParticipatingLoader, Participation, Policy, without_padding
 
 __all__ = ["WeightedDDPStrategy", "WindowResult"]
 
@@ -154,7 +153,7 @@ class WeightedDDPStrategy(DDPStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         if self._loading not in ("train_dataloader()", "val_dataloader()", "test_dataloader()"):
             return dataloader
-        dataloader = _without_padding(dataloader)
+        dataloader = without_padding(dataloader)
         if self._loading != "train_dataloader()":
             return dataloader
         return ParticipatingLoader(dataloader, self._participation, self.root_device)
@@ -322,23 +321,6 @@ class WeightedDDPStrategy(DDPStrategy):
             step(scheduler, metric)
 
         return lr_scheduler_step
-
-
-def _without_padding(dataloader: object) -> object:
-    """Swaps a padding ``DistributedSampler`` for one that repeats no item: the objective counts each item once."""
-    if not isinstance(dataloader, DataLoader):
-        return dataloader
-    sampler = dataloader.sampler
-    if type(sampler) is not DistributedSampler or sampler.drop_last:
-        return dataloader
-    unpadded = UnpaddedDistributedSampler(
-        sampler.dataset,
-        num_replicas=sampler.num_replicas,
-        rank=sampler.rank,
-        shuffle=sampler.shuffle,
-        seed=sampler.seed,
-    )
-    return _update_dataloader(dataloader, unpadded)
 
 
 def _zero_loss(loss: Tensor | None, module: Module) -> Tensor:
