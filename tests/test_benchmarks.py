@@ -23,10 +23,28 @@ WEIGHTED = ("ddp_weighted", "post_hoc", "pre_count")
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bench")
-    command = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--out", str(out),
-               "--levels", "raw,sweep,ablation,trainer", "--timeout", "50", "--pg-timeout", "30"]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "run.py"),
+        "--quick",
+        "--out",
+        str(out),
+        "--levels",
+        "raw,sweep,ablation,trainer",
+        "--timeout",
+        "50",
+        "--pg-timeout",
+        "30",
+    ]
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     try:
         output, _ = process.communicate(timeout=60)
     except subprocess.TimeoutExpired:

@@ -1,0 +1,446 @@
+"""Raw ``DistributedDataParallel`` step benchmark: one rank's worker (started by ``run.py`` on every rank).
+
+Every variant owns a DDP copy of the same model in one gloo process group. Each round runs one optimizer step
+(or one epoch, in the imbalance sweep) of every variant on identical data, in an order shuffled per round
+(the same on every rank), each after a barrier; a step's time is the slowest rank's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import resource
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from anchors import PostHocStep, PreCountStep
+from common import (
+    DTYPES,
+    Batch,
+    BatchStream,
+    CollectiveCounter,
+    Point,
+    RawStep,
+    bucket_counts,
+    deviation,
+    gradient_deviation,
+    local_mean,
+    make_batch,
+    make_model,
+    per_step,
+    reference_gradient,
+    reference_params,
+)
+
+from lightning_weighted._weights import WIDTH, WindowCount, decode, read_count
+from lightning_weighted.hook import WeightedReduceState, weighted_allreduce_hook
+
+
+class PlainDDPStep(RawStep):
+    """What ``strategy="ddp"`` does: each microbatch's local mean divided by A, DDP averages over ranks."""
+
+    name = "ddp"
+
+    def step(self, window: Iterator[Batch]) -> None:
+        for micro, batch in enumerate(window):
+            with self.sync_context(micro):
+                (local_mean(self.ddp, batch) / self.accumulate).backward()
+        self.finish()
+
+
+class ControlStep(PlainDDPStep):
+    """A second, independent plain DDP: its ratio to ``ddp`` is the noise floor (A-vs-A control)."""
+
+    name = "ddp_control"
+
+
+class WeightedDDPStep(RawStep):
+    """What ``strategy="ddp_weighted"`` does, on a raw DDP module (``WeightedDDPStrategy`` in 20 lines).
+
+    Each microbatch's mean loss is scaled by ``n_m / n_ref``; before the syncing backward the window's count
+    vector starts its asynchronous all-reduce; the comm hook divides each bucket by ``N / n_ref`` and SUMs;
+    after the backward the count is read once on the host (the strategy's N = 0 and error check).
+    """
+
+    name = "ddp_weighted"
+    hook: Any = weighted_allreduce_hook
+    global_reference = False  # True: scale losses by n_m (a common reference of 1 on every rank)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.state = WeightedReduceState()
+        self.ddp.register_comm_hook(self.state, type(self).hook)
+        self.device = torch.device("cpu")
+
+    def step(self, window: Iterator[Batch]) -> None:
+        count = WindowCount()
+        for micro, batch in enumerate(window):
+            with self.sync_context(micro):
+                n, _ = read_count(batch[2].sum())
+                factor = count.add(n)
+                if self.global_reference:
+                    factor = n
+                loss = local_mean(self.ddp, batch)
+                loss = loss * factor if factor != 1 else loss
+                if micro == self.accumulate - 1:
+                    reference = 1.0 if self.global_reference else count.reference
+                    self.state.start_count_reduction(count.vector(self.rank), reference, self.device)
+                loss.backward()
+        window_count = decode(self.state.counts().tolist())
+        if window_count.error is not None:
+            raise window_count.error
+        if window_count.items == 0:
+            self.optimizer.zero_grad(set_to_none=True)
+            return
+        self.finish()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Ablations of ddp_weighted's cost (the `ablation` level of run.py): each adds one piece of the mechanism.
+
+
+class PythonHookStep(PlainDDPStep):
+    """Plain DDP through torch's own Python ``allreduce_hook``: the cost of any Python comm hook."""
+
+    name = "py_allreduce_hook"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+
+
+class _FixedDivisor(WeightedReduceState):
+    """The weighted hook's state with a divisor known in advance: no count collective, no wait."""
+
+    __slots__ = ("fixed",)
+
+    def divisor(self) -> torch.Tensor:
+        return self.fixed
+
+
+class HookOnlyStep(PlainDDPStep):
+    """ddp_weighted's hook dividing by a constant (the world size): the hook without its count collective."""
+
+    name = "hook_no_count"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        state = _FixedDivisor()
+        state.fixed = torch.tensor(float(self.world_size), dtype=torch.float64)
+        self.ddp.register_comm_hook(state, weighted_allreduce_hook)
+
+
+class HookAsyncCountStep(WeightedDDPStep):
+    """ddp_weighted's hook and its asynchronous count all-reduce, without the per-microbatch count reads and
+    the end-of-window host read (counts taken from the batch shape)."""
+
+    name = "hook_async_count"
+
+    def step(self, window: Iterator[Batch]) -> None:
+        count = WindowCount()
+        for micro, batch in enumerate(window):
+            with self.sync_context(micro):
+                count.add(float(len(batch[2])))
+                loss = local_mean(self.ddp, batch)
+                if micro == self.accumulate - 1:
+                    self.state.start_count_reduction(count.vector(self.rank), count.reference, self.device)
+                loss.backward()
+        self.state.counts()  # the collective must complete before the next window; no host read
+        self.finish()
+
+
+def post_divide_hook(state: WeightedReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A candidate change to ``weighted_allreduce_hook``: SUM the bucket at once and divide by ``N`` when the SUM
+    completes, so the autograd thread never waits for the count. The division must then be the same on every
+    rank, so the losses are scaled by ``n_m`` (a reference of 1 everywhere) instead of ``n_m / n_ref``: the
+    buckets carry item SUMS, fine in fp32/bf16, not in fp16 (which keeps the pre-division against overflow)."""
+    work = dist.all_reduce(bucket.buffer(), group=state.process_group, async_op=True)
+
+    def divide(future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        return future.value()[0].div_(state.divisor())
+
+    return work.get_future().then(divide)
+
+
+# DDP checks the annotations themselves, which `from __future__ import annotations` turns into strings.
+post_divide_hook.__annotations__ = {
+    "state": WeightedReduceState,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+
+class PostDivideStep(WeightedDDPStep):
+    """The full ddp_weighted step with :func:`post_divide_hook` in place of the package's hook."""
+
+    name = "weighted_post_divide"
+    hook = post_divide_hook
+    global_reference = True
+
+
+VARIANTS: dict[str, type[RawStep]] = {
+    cls.name: cls
+    for cls in (
+        PlainDDPStep,
+        ControlStep,
+        WeightedDDPStep,
+        PostHocStep,
+        PreCountStep,
+        PythonHookStep,
+        HookOnlyStep,
+        HookAsyncCountStep,
+        PostDivideStep,
+    )
+}
+
+
+class Runner:
+    def __init__(self, rank: int, world_size: int, counter: CollectiveCounter) -> None:
+        self.rank, self.world_size, self.counter = rank, world_size, counter
+        self.references: dict[Any, list[torch.Tensor]] = {}
+
+    def reference(self, point: Point, pattern: list[list[list[bool]]]) -> list[torch.Tensor]:
+        key = (point.size, point.rows, point.seed, json.dumps(pattern))
+        if key not in self.references:
+            self.references[key] = reference_params(point.size, point.rows, point.seed, pattern, self.world_size)
+        return self.references[key]
+
+    def run(
+        self,
+        point: Point,
+        variants: Sequence[str],
+        epoch_steps: int = 1,
+        imbalance: float = 0.0,
+        correctness: bool = True,
+    ) -> dict[str, Any]:
+        """Times ``point.rounds`` rounds after ``point.warmup``; a timed unit is ``epoch_steps`` optimizer steps."""
+        dtype = DTYPES[point.dtype]
+        steps = list(variants)
+        models = {
+            name: VARIANTS[name](
+                make_model(point.size, point.seed).to(dtype), self.rank, self.world_size, point.accumulate
+            )
+            for name in steps
+        }
+        initial = {name: model.parameters() for name, model in models.items()}
+        for model in models.values():
+            model.capture = True
+        units = point.warmup + point.rounds
+        total_steps = units * epoch_steps
+        pattern = self.pattern(point, total_steps, epoch_steps, imbalance)
+        data = [
+            [
+                make_batch(point.size, point.rows, point.seed, self.rank, s, m, pattern[s][self.rank][m])
+                for m in range(point.accumulate)
+            ]
+            for s in range(total_steps)
+        ]
+        for batches in data:  # the model's dtype, as a loader with `bf16-true` would hand them out
+            for k, (x, y, w) in enumerate(batches):
+                batches[k] = (x.to(dtype), y, w)
+        times: dict[str, list[float]] = {name: [] for name in steps}
+        calls: dict[str, list[tuple[str, str, int]]] = {}
+        for unit in range(units):
+            order = list(steps)
+            random.Random(point.seed * 1_000_003 + unit).shuffle(order)
+            for name in order:
+                model = models[name]
+                count = unit == point.warmup - 1  # the last warm-up unit: DDP's buckets are rebuilt by then
+                dist.barrier()
+                start = time.perf_counter()
+                with self.counter.counting() if count else _nothing() as recorded:
+                    for s in range(unit * epoch_steps, (unit + 1) * epoch_steps):
+                        model.step(iter(BatchStream(data[s])))
+                elapsed = time.perf_counter() - start
+                if count:
+                    calls[name] = list(recorded) if recorded is not None else []
+                if unit >= point.warmup:
+                    times[name].append(elapsed)
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, times)
+        slowest = {name: [max(g[name][k] for g in gathered) for k in range(point.rounds)] for name in steps}
+        result: dict[str, Any] = {
+            "point": point.__dict__,
+            "imbalance": imbalance,
+            "epoch_steps": epoch_steps,
+            "times": slowest,
+            "collectives": {name: _per_step(calls.get(name, []), epoch_steps, dtype) for name in steps},
+            "buckets": {name: bucket_counts(models[name].ddp) for name in steps},
+        }
+        if correctness and self.rank == 0:
+            expected = self.reference(point, pattern)
+            expected_initial = list(make_model(point.size, point.seed).parameters())
+            result["deviation"] = {
+                name: deviation(models[name].parameters(), initial[name], expected, expected_initial) for name in steps
+            }
+            gradient = reference_gradient(point.size, point.rows, point.seed, pattern[0], self.world_size, dtype)
+            result["gradient_deviation"] = {
+                name: gradient_deviation(models[name].captured or [], gradient) for name in steps
+            }
+        dist.barrier()
+        del models, data
+        gc.collect()
+        return result
+
+    def pattern(self, point: Point, total_steps: int, epoch_steps: int, imbalance: float) -> list[list[list[bool]]]:
+        """``[step][rank][micro]`` → zero-count microbatch? In the imbalance sweep rank 0 holds ``imbalance``
+        fewer real microbatches per epoch and pads its turns with zero-count microbatches."""
+        per_epoch = epoch_steps * point.accumulate
+        real = round(per_epoch * (1 - imbalance))
+        return [
+            [
+                [rank == 0 and (s % epoch_steps) * point.accumulate + m >= real for m in range(point.accumulate)]
+                for rank in range(self.world_size)
+            ]
+            for s in range(total_steps)
+        ]
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *args: Any) -> None:
+        return None
+
+
+def _per_step(calls: list[tuple[str, str, int]], steps: int, dtype: torch.dtype) -> dict[str, Any]:
+    return per_step(calls, steps, dtype)
+
+
+CORE = ["ddp", "ddp_control", "ddp_weighted", "post_hoc", "pre_count"]
+
+
+def gloo_probe(rank: int) -> dict[str, float]:
+    """Median time of the count vector's float64 all-reduce and of an 8 MiB fp32 one."""
+    small = torch.zeros(WIDTH, dtype=torch.float64)
+    large = torch.zeros(2 * 1024 * 1024, dtype=torch.float32)
+    results = {}
+    for name, tensor, repeats in (("count_allreduce_s", small, 200), ("allreduce_8MiB_s", large, 15)):
+        for _ in range(3):
+            dist.all_reduce(tensor)
+        samples = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(tensor)
+            samples.append(time.perf_counter() - start)
+        results[name] = sorted(samples)[len(samples) // 2]
+    return results
+
+
+def memory_run(point: Point, variant: str, rank: int, world_size: int) -> dict[str, Any]:
+    """Peak resident memory growth over ``point.rounds`` steps of one variant, alone in its process."""
+    dtype = DTYPES[point.dtype]
+    data = [
+        [make_batch(point.size, point.rows, point.seed, rank, s, m) for m in range(point.accumulate)]
+        for s in range(point.rounds)
+    ]
+    data = [[(x.to(dtype), y, w) for x, y, w in batches] for batches in data]
+    model = VARIANTS[variant](make_model(point.size, point.seed).to(dtype), rank, world_size, point.accumulate)
+    gc.collect()
+    dist.barrier()
+    hwm_reset = _reset_peak_rss()
+    before = _rss_kib("VmRSS") if hwm_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for s in range(point.rounds):
+        model.step(iter(BatchStream(data[s])))
+    peak = _rss_kib("VmHWM") if hwm_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.ddp.parameters())
+    dist.barrier()
+    return {
+        "variant": variant,
+        "peak_delta_bytes": (peak - before) * 1024,
+        "parameter_bytes": parameter_bytes,
+        "method": "VmHWM after clear_refs" if hwm_reset else "ru_maxrss",
+    }
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--spec", required=True, help="JSON: points, sweep, memory, probe, timeout")
+    parser.add_argument("--out", required=True, help="rank 0 writes its JSON results here")
+    args = parser.parse_args()
+    spec = json.loads(Path(args.spec).read_text()) if args.spec.endswith(".json") else json.loads(args.spec)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=spec.get("timeout", 120)))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    counter = CollectiveCounter()
+    counter.install()
+    runner = Runner(rank, world_size, counter)
+    results: dict[str, Any] = {"points": [], "sweep": [], "ablation": [], "memory": None, "probe": None}
+    if spec.get("probe"):
+        results["probe"] = gloo_probe(rank)
+    variants = spec.get("variants", CORE)
+    for entry in spec.get("points", []):
+        results["points"].append(runner.run(Point(**entry), variants, correctness=spec.get("correctness", True)))
+        _log(rank, results["points"][-1])
+    for entry in spec.get("ablation", []):
+        results["ablation"].append(
+            runner.run(Point(**entry), spec["ablation_variants"], correctness=spec.get("correctness", True))
+        )
+        _log(rank, results["ablation"][-1])
+    for entry in spec.get("sweep", []):
+        entry = dict(entry)
+        imbalance, epoch_steps = entry.pop("imbalance"), entry.pop("epoch_steps")
+        results["sweep"].append(
+            runner.run(Point(**entry), variants, epoch_steps, imbalance, correctness=spec.get("correctness", True))
+        )
+        _log(rank, results["sweep"][-1])
+    if spec.get("memory"):
+        results["memory"] = memory_run(Point(**spec["memory"]["point"]), spec["memory"]["variant"], rank, world_size)
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, results["memory"])
+        results["memory"]["peak_delta_bytes"] = max(g["peak_delta_bytes"] for g in gathered)
+    counter.uninstall()
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _log(rank: int, result: dict[str, Any]) -> None:
+    if rank != 0:
+        return
+    times = result["times"]
+    medians = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in times.items()}
+    point = result["point"]
+    print(
+        f"{point['size']} A={point['accumulate']} {point['dtype']} imbalance={result['imbalance']}: "
+        + " ".join(f"{k}={v:.2f}ms" for k, v in medians.items())
+        + "".join(
+            f"\n  {k}: " + " ".join(f"{n}={v:.1e}" for n, v in result[k].items())
+            for k in ("deviation", "gradient_deviation")
+            if k in result
+        ),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()

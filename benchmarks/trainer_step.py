@@ -1,0 +1,308 @@
+"""End-to-end Lightning ``Trainer`` step benchmark: one rank's worker (started by ``run.py`` on every rank).
+
+Each variant is a whole ``Trainer.fit`` (``strategy="ddp"`` or ``"ddp_weighted"``) running in its own thread of
+this process, all in one gloo process group that the worker creates (Lightning sees ``LOCAL_RANK`` and joins
+it instead of launching). A baton callback parks every fit at the start of each accumulation window; the main
+thread releases one fit at a time, in an order shuffled per round (the same on every rank) after a barrier, so
+the variants' optimizer steps interleave exactly as in the raw benchmark and their collectives never mix.
+A step's time runs from the release to the fit parking again at the next window (one full window: Lightning's
+per-batch SIGTERM broadcast, data fetch, forward, backward, all-reduce, optimizer step, hooks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import random
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from anchors import PostHocModule, PreCountModule, WindowPrefetch
+from common import (
+    DTYPES,
+    LR,
+    Batch,
+    BatchStream,
+    CollectiveCounter,
+    Point,
+    bucket_counts,
+    deviation,
+    gradient_deviation,
+    local_mean,
+    make_batch,
+    make_model,
+    per_step,
+    reference_gradient,
+    reference_params,
+)
+
+import lightning_weighted  # noqa: F401  (registers "ddp_weighted")
+
+PRECISION = {"fp32": "32-true", "bf16": "bf16-true"}
+WAIT_S = 300.0
+
+
+class PlainModule(LightningModule):
+    """Returns the local mean: what ``strategy="ddp"`` users write (wrong objective with uneven counts)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Any:
+        return local_mean(self.model, batch)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+class WeightedModule(PlainModule):
+    """Returns ``{"loss": local_mean, "count": n}`` for ``strategy="ddp_weighted"``."""
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Any:
+        return {"loss": local_mean(self.model, batch), "count": batch[2].sum()}
+
+
+# name -> (module class, strategy, window prefetch)
+VARIANTS: dict[str, tuple[type[LightningModule], str, bool]] = {
+    "ddp": (PlainModule, "ddp", False),
+    "ddp_control": (PlainModule, "ddp", False),
+    "ddp_weighted": (WeightedModule, "ddp_weighted", False),
+    "post_hoc": (PostHocModule, "ddp", False),
+    "pre_count": (PreCountModule, "ddp", True),
+}
+
+
+class Baton(Callback):
+    """Parks the fit at the start of every accumulation window until the main thread releases it."""
+
+    def __init__(self, accumulate: int, counter: CollectiveCounter) -> None:
+        self.accumulate, self.counter = accumulate, counter
+        self.arrived, self.go = threading.Event(), threading.Event()
+        self.buckets: tuple[int, int] = (0, 0)
+        self.error: BaseException | None = None
+        self.initial: list[Tensor] = []
+        self.captured: list[Tensor] | None = None
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.initial = [p.detach().clone() for p in pl_module.parameters()]
+        # Lightning runs the closure (forward, backward, its hooks, clipping) inside `optimizer.step()`; after
+        # the step the gradients are still the ones it applied (SGD leaves them alone until the next zero_grad).
+        self._handle = trainer.optimizers[0].register_step_post_hook(self._capture)
+
+    def _capture(self, optimizer: Any, *args: Any) -> None:
+        if self.captured is None:  # the first step's synchronized gradient
+            self.captured = [
+                p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                for group in optimizer.param_groups
+                for p in group["params"]
+            ]
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if batch_idx % self.accumulate == 0:
+            self.arrived.set()
+            if not self.go.wait(WAIT_S):
+                raise TimeoutError("the benchmark's main thread never released this fit")
+            self.go.clear()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        model = trainer.strategy.model
+        if self.counter.active and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            self.buckets = bucket_counts(model)
+
+
+class Fit(threading.Thread):
+    def __init__(self, name: str, point: Point, rank: int, counter: CollectiveCounter) -> None:
+        super().__init__(name=name, daemon=True)
+        module_cls, strategy, prefetch = VARIANTS[name]
+        self.baton = Baton(point.accumulate, counter)
+        self.module = module_cls(make_model(point.size, point.seed))
+        steps = point.steps + 1  # the last window runs untimed, while the fits finish one by one
+        batches = [
+            make_batch(point.size, point.rows, point.seed, rank, s, m)
+            for s in range(steps)
+            for m in range(point.accumulate)
+        ]
+        loader: Any = BatchStream(batches)
+        self.loader = _Sized(
+            WindowPrefetch(loader, point.accumulate, len(batches)) if prefetch else loader, len(batches)
+        )
+        self.trainer = Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=dist.get_world_size(),
+            num_nodes=1,
+            max_steps=steps,
+            accumulate_grad_batches=point.accumulate,
+            precision=PRECISION[point.dtype],  # type: ignore[arg-type]
+            callbacks=[self.baton],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+        )
+
+    def run(self) -> None:
+        torch.set_num_threads(1)
+        try:
+            self.trainer.fit(self.module, train_dataloaders=self.loader)
+        except BaseException as error:  # reported by the main thread
+            self.baton.error = error
+            self.baton.arrived.set()
+
+    def release(self) -> None:
+        """Lets the fit run one accumulation window; returns when it parks at the next one."""
+        self.baton.arrived.clear()
+        self.baton.go.set()
+        if not self.baton.arrived.wait(WAIT_S):
+            raise TimeoutError(f"{self.name} did not finish its window within {WAIT_S}s")
+        if self.baton.error is not None:
+            raise RuntimeError(f"{self.name} failed") from self.baton.error
+
+    def parameters(self) -> list[Tensor]:
+        return [p.detach().clone() for p in self.module.model.parameters()]
+
+
+class _Sized:
+    """An iterable with a length, so Lightning knows the epoch's size."""
+
+    def __init__(self, iterable: Any, length: int) -> None:
+        self.iterable, self.length = iterable, length
+
+    def __iter__(self) -> Any:
+        return iter(self.iterable)
+
+    def __len__(self) -> int:
+        return self.length
+
+
+def run_point(
+    point: Point,
+    variants: Sequence[str],
+    rank: int,
+    counter: CollectiveCounter,
+    references: dict[Any, list[Tensor]],
+    correctness: bool,
+) -> dict[str, Any]:
+    fits = {}
+    for name in variants:  # set up one at a time: each setup runs its own collectives
+        fit = Fit(name, point, rank, counter)
+        fit.start()
+        if not fit.baton.arrived.wait(WAIT_S) or fit.baton.error is not None:
+            raise RuntimeError(f"{name} did not reach its first step") from fit.baton.error
+        fits[name] = fit
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    calls: dict[str, list[tuple[str, str, int]]] = {}
+    for unit in range(point.steps):
+        order = list(variants)
+        random.Random(point.seed * 1_000_003 + unit).shuffle(order)
+        for name in order:
+            count = unit == point.warmup - 1
+            dist.barrier()
+            start = time.perf_counter()
+            if count:
+                with counter.counting() as recorded:
+                    fits[name].release()
+                calls[name] = list(recorded)
+            else:
+                fits[name].release()
+            if unit >= point.warmup:
+                times[name].append(time.perf_counter() - start)
+    for name in variants:  # the last window and the end of fit, one fit at a time
+        fits[name].baton.go.set()
+        fits[name].join(WAIT_S)
+        if fits[name].is_alive() or fits[name].baton.error is not None:
+            raise RuntimeError(f"{name} did not finish") from fits[name].baton.error
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, times)
+    slowest = {name: [max(g[name][k] for g in gathered) for k in range(point.rounds)] for name in variants}
+    result: dict[str, Any] = {
+        "point": point.__dict__,
+        "times": slowest,
+        "collectives": {name: per_step(c, 1, DTYPES[point.dtype]) for name, c in calls.items()},
+        "buckets": {name: fits[name].baton.buckets for name in variants},
+    }
+    if correctness and rank == 0:
+        key = (point.size, point.rows, point.seed, point.accumulate, point.steps + 1)
+        if key not in references:
+            pattern = [[[False] * point.accumulate for _ in range(2)] for _ in range(point.steps + 1)]
+            references[key] = reference_params(point.size, point.rows, point.seed, pattern, dist.get_world_size())
+        expected_initial = list(make_model(point.size, point.seed).parameters())
+        result["deviation"] = {
+            name: deviation(fits[name].parameters(), fits[name].baton.initial, references[key], expected_initial)
+            for name in variants
+        }
+        empty = [[False] * point.accumulate for _ in range(dist.get_world_size())]
+        gradient = reference_gradient(
+            point.size, point.rows, point.seed, empty, dist.get_world_size(), DTYPES[point.dtype]
+        )
+        result["gradient_deviation"] = {
+            name: gradient_deviation(fits[name].baton.captured or [], gradient) for name in variants
+        }
+    dist.barrier()
+    del fits
+    gc.collect()
+    return result
+
+
+def main() -> None:
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--spec", required=True, help="JSON: points, variants, timeout")
+    parser.add_argument("--out", required=True, help="rank 0 writes its JSON results here")
+    args = parser.parse_args()
+    spec = json.loads(args.spec)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=spec.get("timeout", 120)))
+    rank = dist.get_rank()
+    counter = CollectiveCounter()
+    counter.install()
+    references: dict[Any, list[Tensor]] = {}
+    results = []
+    for entry in spec["points"]:
+        result = run_point(
+            Point(**entry),
+            spec.get("variants", list(VARIANTS)),
+            rank,
+            counter,
+            references,
+            spec.get("correctness", True),
+        )
+        results.append(result)
+        if rank == 0:
+            medians = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in result["times"].items()}
+            print(
+                f"trainer {Point(**entry).label}: "
+                + " ".join(f"{k}={v:.2f}ms" for k, v in medians.items())
+                + "".join(
+                    f"\n  {k}: " + " ".join(f"{n}={v:.1e}" for n, v in result[k].items())
+                    for k in ("deviation", "gradient_deviation")
+                    if k in result
+                ),
+                flush=True,
+            )
+    counter.uninstall()
+    if rank == 0:
+        Path(args.out).write_text(json.dumps({"points": results}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
