@@ -79,6 +79,17 @@ def _alive_in_group(pgid: int) -> list[int]:
     return alive
 
 
+def run_worker(
+    script: str, config: Any, tmp_path: Path, timeout: float
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """Runs a worker script of this folder on `config` (a dataclass); returns its output prefix and the process."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    out = tmp_path / f"{Path(script).stem}-{config.strategy}-{os.urandom(4).hex()}"
+    config_json = json.dumps(dataclasses.asdict(config))
+    command = [sys.executable, str(HERE / script), "--config", config_json, "--out", str(out)]
+    return out, run(command, timeout)
+
+
 def fit(
     config: Config, tmp_path: Path, timeout: float = 180, expect_failure: bool | None = False, output: bool = False
 ) -> Any:
@@ -87,17 +98,7 @@ def fit(
     With `expect_failure=None` either may happen: the records when every rank saved one, else the process.
     With `output=True` a successful run returns `(records, output)`.
     """
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    out = tmp_path / f"result-{config.strategy}-{os.urandom(4).hex()}"
-    command = [
-        sys.executable,
-        str(HERE / "worker.py"),
-        "--config",
-        json.dumps(dataclasses.asdict(config)),
-        "--out",
-        str(out),
-    ]
-    done = run(command, timeout)
+    out, done = run_worker("worker.py", config, tmp_path, timeout)
     if expect_failure is None:
         if done.returncode == 0 and all(Path(f"{out}.rank{r}").exists() for r in range(config.world_size)):
             return [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(config.world_size)]

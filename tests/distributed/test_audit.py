@@ -2,29 +2,17 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from audit_worker import Config
-from harness import HERE, run
+from harness import run_worker
 
 
 def audited(config: Config, tmp_path: Path, expect_failure: bool = False) -> Any:
-    out = tmp_path / f"audit-{config.strategy}-{os.urandom(4).hex()}"
-    command = [
-        sys.executable,
-        str(HERE / "audit_worker.py"),
-        "--config",
-        json.dumps(dataclasses.asdict(config)),
-        "--out",
-        str(out),
-    ]
-    done = run(command, timeout=120)
+    out, done = run_worker("audit_worker.py", config, tmp_path, timeout=120)
     if expect_failure:
         assert done.returncode != 0, done.stdout[-4000:]
         return done.stdout

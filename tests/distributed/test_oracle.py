@@ -22,3 +22,15 @@ def test_ddp_weighted_matches_the_float64_reference_and_ddp_does_not(tmp_path, a
     assert [s["norm"] for s in weighted[0]["steps"]] == pytest.approx(expected["norms"], rel=1e-5)
     # the same check fails for plain DDP: its mean of means re-weights the items
     assert max_relative_error(plain[0]["params"], expected["params"]) > 1e-2
+
+
+def test_the_objective_does_not_depend_on_the_number_of_ranks(tmp_path):
+    # the same items per optimizer step, held by 3 ranks or merged into 1: both train the float64 reference
+    three = Config(strategy="ddp_weighted_fork", world_size=3, accumulate=2, batches=4, epochs=2, mode="weights")
+    one = Config(**{**vars(three), "world_size": 1, "merged_from": 3})
+    expected = reference(three)
+    assert max_relative_error(reference(one)["params"], expected["params"]) < 1e-12  # the same objective
+    spread = [fit(config, tmp_path)[0]["params"] for config in (three, one)]
+    assert max_relative_error(spread[0], expected["params"]) < 1e-5
+    assert max_relative_error(spread[1], expected["params"]) < 1e-5
+    assert max_relative_error(spread[0], [p.double() for p in spread[1]]) < 1e-5
