@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch._dynamo
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningModule, Trainer
@@ -134,6 +135,12 @@ class WeightedDDPStrategy(DDPStrategy):
             isinstance(callback, GradientAccumulationScheduler)
             for callback in trainer.callbacks  # type: ignore[attr-defined]
         )
+        if str(getattr(torch._dynamo.config, "optimize_ddp", "")).startswith("python_reducer"):
+            raise MisconfigurationException(
+                "`torch._dynamo.config.optimize_ddp='python_reducer'` reduces gradients outside DDP's communication"
+                " hook, so ddp_weighted could not weight them. Use the default `optimize_ddp=True`, or"
+                " `strategy='ddp'`."
+            )
         if self._ddp_kwargs.get("static_graph") and accumulates:
             raise MisconfigurationException(
                 "`static_graph=True` with gradient accumulation is not supported by DDP in this torch version."

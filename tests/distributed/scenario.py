@@ -63,6 +63,7 @@ class Config:
     clip_algorithm: str = "norm"
     compile: bool = False  # torch.compile the model (aot_eager: the DDP graph splitting without a C++ build)
     join: bool = False  # enter DistributedDataParallel.join() around training
+    python_reducer: bool = False  # torch._dynamo.config.optimize_ddp = "python_reducer"
 
 
 def make_model(seed: int) -> nn.Module:
@@ -237,6 +238,9 @@ def inject(fault: Sequence[Any], rank: int, where: str) -> Any:
         os._exit(1)
     if kind in ("kill", "kill_after_count"):
         os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "sigterm":
+        os.kill(os.getpid(), signal.SIGTERM)  # what SLURM sends before preempting a job
+        return NO_FAULT
     if kind == "stall":
         time.sleep(float(fault[3]))
         return NO_FAULT

@@ -107,6 +107,7 @@ def test_popen_launcher_matches_the_reference(tmp_path):
     [
         ({"static_graph": True, "accumulate": 2}, r"`static_graph=True` with gradient accumulation is not supported"),
         ({"manual": True}, r"uses manual optimization \(`automatic_optimization=False`\), which ddp_weighted"),
+        ({"python_reducer": True}, r"`torch._dynamo.config.optimize_ddp='python_reducer'` reduces gradients outside"),
     ],
 )
 def test_unsupported_combinations_are_refused_at_setup_on_every_rank(tmp_path, change, message):

@@ -66,6 +66,13 @@ def test_a_rank_stalling_past_the_process_group_timeout_makes_its_peer_time_out(
     assert re.search(r"[Tt]imed out|timeout|Connection closed", done.stdout), done.stdout[-3000:]
 
 
+def test_sigterm_on_one_rank_ends_every_rank_within_the_timeout(tmp_path):
+    # Lightning's SIGTERM notifier broadcasts from inside the signal handler of the signalled rank alone; the
+    # unmatched collective is ended by the process-group timeout on every rank (as it is with plain "ddp")
+    done = _inject(tmp_path, "sigterm", 1, accumulate=1)
+    assert "Received SIGTERM: 15" in done.stdout, done.stdout[-3000:]
+
+
 @pytest.mark.parametrize(
     ("kind", "error"),
     [

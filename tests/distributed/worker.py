@@ -147,6 +147,8 @@ def main() -> None:
     args = parser.parse_args()
     config = Config(**json.loads(args.config))
     torch.set_num_threads(1)
+    if config.python_reducer:
+        torch._dynamo.config.optimize_ddp = "python_reducer"
     recorder = Recorder(config, args.out)
     callbacks: list[Callback] = [recorder]
     if config.schedule is not None:
