@@ -115,8 +115,8 @@ class ItemCounter(Callback):
             return  # no optimizer step ended with this batch
         self._last_step = window.step
         self.items_total += window.items
-        now, elapsed = time.perf_counter(), time.perf_counter() - self._clock
-        self._clock = now
+        now = time.perf_counter()
+        elapsed, self._clock = now - self._clock, now
         if not self.log:
             return
         # every value below is already global (or deliberately local): no sync_dist, no extra collective

@@ -148,21 +148,25 @@ class ParticipatingLoader:
         state = self.participation
         state.new_epoch()
         iterator = iter(self.loader)
-        lookahead = next(iterator, _END)
+
+        def fetch() -> Any:
+            item = next(iterator, _END)
+            if item is _END:
+                state.real = state.seen  # the lookahead knows this rank is out before its last batch is used
+            return item
+
+        lookahead = fetch()
         self._share_template(lookahead)
         yielded = 0
         while self.length is None or yielded < self.length:
             if lookahead is _END:
-                state.real = state.seen
                 if self._template is _END:
                     return  # no rank has a batch this epoch
                 item = self._template
             else:
                 item, self._template = lookahead, lookahead
                 state.seen += 1
-                lookahead = next(iterator, _END)
-                if lookahead is _END:
-                    state.real = state.seen
+                lookahead = fetch()
             yielded += 1
             yield item
 
