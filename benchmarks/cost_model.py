@@ -1,4 +1,7 @@
-"""α-β cost model of the count collective that ddp_weighted adds, projected to NCCL at P = 8 … 4096 GPUs.
+"""α-β cost model of what ddp_weighted adds to the gradient reduction, projected to NCCL at P = 8 … 4096 GPUs.
+
+With fp32/fp64 gradients the window's counts ride at the end of the first bucket (RIDE_WIDTH more values, no
+extra call); with fp16/bf16 gradients they are one separate all-reduce of the float64 count vector.
 
 All-reduce of ``b`` bytes over ``P`` ranks (Thakur, Rabenseifner & Gropp 2005; NCCL's ring and tree; the
 ``2(P−1)/P`` factor is nccl-tests' bus-bandwidth factor, doc/PERFORMANCE.md):
@@ -17,11 +20,13 @@ import argparse
 import math
 from dataclasses import dataclass, fields
 
-try:  # the count vector that ddp_weighted all-reduces: WIDTH float64 values
+try:  # the count vector that ddp_weighted all-reduces (WIDTH float64) or lets ride (RIDE_WIDTH fp32 values)
+    from lightning_weighted._weights import RIDE_WIDTH as _RIDE_WIDTH
     from lightning_weighted._weights import WIDTH as _WIDTH
 except ImportError:  # pragma: no cover - the model stands alone
-    _WIDTH = 4
+    _WIDTH, _RIDE_WIDTH = 6, 12
 COUNT_BYTES = 8 * _WIDTH
+RIDE_BYTES = 4 * _RIDE_WIDTH
 
 
 @dataclass(frozen=True)
@@ -63,25 +68,30 @@ def allreduce_time(size_bytes: float, ranks: int, inputs: Inputs) -> tuple[float
 
 
 def projection(gradient_bytes: dict[str, float], ranks: list[int], inputs: Inputs) -> list[dict[str, float | str]]:
-    """Rows of (P, model): the count collective's time and its share of a step that is at least as long as
-    the gradient all-reduce (an upper bound on its share: it assumes nothing else in the step, and that the
-    count is fully exposed, although it is launched before the backward and overlaps it); plus what the
-    anchors pay in the same model (a blocking count, and post-hoc's extra read+write of the gradients)."""
+    """Rows of (P, model): what ddp_weighted's counts add and their share of a step that is at least as long as
+    the gradient all-reduce (an upper bound on the share: it assumes nothing else in the step, and that the
+    separate count is fully exposed, although it is launched before the backward and overlaps it); plus what
+    the anchors pay in the same model (a blocking count, and post-hoc's extra read+write of the gradients).
+    Models named ``fp32`` let the counts ride in their first bucket; the others pay the separate call."""
     rows: list[dict[str, float | str]] = []
     for p in ranks:
-        count, algorithm = allreduce_time(COUNT_BYTES, p, inputs)
+        separate, algorithm = allreduce_time(COUNT_BYTES, p, inputs)
         for model, size in gradient_bytes.items():
             gradient, _ = allreduce_time(size, p, inputs)
+            if "fp32" in model:
+                count, how = allreduce_time(size + RIDE_BYTES, p, inputs)[0] - gradient, f"rides (+{RIDE_BYTES} B)"
+            else:
+                count, how = separate, algorithm
             rows.append(
                 {
                     "P": p,
                     "model": model,
-                    "count_algorithm": algorithm,
+                    "count_algorithm": how,
                     "count_us": count * 1e6,
                     "grad_allreduce_ms": gradient * 1e3,
                     "share_upper_bound": count / (count + gradient),
-                    "post_hoc_extra_us": (count + 2 * size / inputs.hbm) * 1e6,
-                    "pre_count_extra_us": count * 1e6,
+                    "post_hoc_extra_us": (separate + 2 * size / inputs.hbm) * 1e6,
+                    "pre_count_extra_us": separate * 1e6,
                 }
             )
     return rows
@@ -89,20 +99,25 @@ def projection(gradient_bytes: dict[str, float], ranks: list[int], inputs: Input
 
 def markdown(rows: list[dict[str, float | str]]) -> str:
     lines = [
-        "| P | gradients | count all-reduce | t_count (µs) | gradient all-reduce (ms) | count share ≤ |"
+        "| P | gradients | ddp_weighted's count | its cost (µs) | gradient all-reduce (ms) | count share ≤ |"
         " post-hoc exposed (µs) | pre-count exposed (µs) |",
         "|---:|---|---|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         lines.append(
-            f"| {row['P']} | {row['model']} | {row['count_algorithm']} | {row['count_us']:.0f} |"
-            f" {row['grad_allreduce_ms']:.3f} | {100 * float(row['share_upper_bound']):.2f} % |"
+            f"| {row['P']} | {row['model']} | {row['count_algorithm']} | {row['count_us']:.3g} |"
+            f" {row['grad_allreduce_ms']:.3f} | {100 * float(row['share_upper_bound']):.3g} % |"
             f" {row['post_hoc_extra_us']:.0f} | {row['pre_count_extra_us']:.0f} |"
         )
     return "\n".join(lines)
 
 
-DEFAULT_MODELS = {"2M fp32 (8.4 MB)": 8.4e6, "20M fp32 (84 MB)": 84e6, "1B bf16 (2 GB)": 2e9}
+DEFAULT_MODELS = {
+    "2M fp32 (8.4 MB)": 8.4e6,
+    "20M fp32 (84 MB)": 84e6,
+    "20M bf16 (42 MB)": 42e6,
+    "1B bf16 (2 GB)": 2e9,
+}
 DEFAULT_RANKS = [8, 64, 512, 4096]
 
 

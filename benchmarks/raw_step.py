@@ -69,18 +69,21 @@ class WeightedDDPStep(RawStep):
     """What ``strategy="ddp_weighted"`` does, on a raw DDP module (``WeightedDDPStrategy`` in 20 lines).
 
     Each microbatch's mean loss is scaled by ``n_m / n_ref``; before the syncing backward the window's count
-    vector starts its asynchronous all-reduce; the comm hook divides each bucket by ``N / n_ref`` and SUMs;
-    after the backward the count is read once on the host (the strategy's N = 0 and error check).
+    vector is handed to the hook state, which sends it at the end of the first bucket (fp32 gradients) or
+    starts its asynchronous float64 all-reduce (bf16); the comm hook SUMs each bucket so that it holds the
+    global item mean; after the backward the count is read once on the host (the strategy's N = 0 and error
+    check).
     """
 
     name = "ddp_weighted"
-    hook: Any = weighted_allreduce_hook
-    global_reference = False  # True: scale losses by n_m (a common reference of 1 on every rank)
+    rides: bool | None = None  # None: ride wherever the strategy would (fp32/fp64 gradients)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.state = WeightedReduceState()
-        self.ddp.register_comm_hook(self.state, type(self).hook)
+        dtypes = [p.dtype for p in self.ddp.parameters()]
+        rides = WeightedReduceState.can_ride(dtypes, self.world_size) if self.rides is None else self.rides
+        self.state = WeightedReduceState(rides=rides)
+        self.ddp.register_comm_hook(self.state, weighted_allreduce_hook)
         self.device = torch.device("cpu")
 
     def step(self, window: Iterator[Batch]) -> None:
@@ -89,15 +92,12 @@ class WeightedDDPStep(RawStep):
             with self.sync_context(micro):
                 n, _ = read_count(batch[2].sum())
                 factor = count.add(n)
-                if self.global_reference:
-                    factor = n
                 loss = local_mean(self.ddp, batch)
                 loss = loss * factor if factor != 1 else loss
                 if micro == self.accumulate - 1:
-                    reference = 1.0 if self.global_reference else count.reference
-                    self.state.start_count_reduction(count.vector(self.rank), reference, self.device)
+                    self.state.begin_window(count.vector(self.rank), count.reference, self.device)
                 loss.backward()
-        window_count = decode(self.state.counts().tolist())
+        window_count = decode(self.state.counts())
         if window_count.error is not None:
             raise window_count.error
         if window_count.items == 0:
@@ -141,52 +141,12 @@ class HookOnlyStep(PlainDDPStep):
         self.ddp.register_comm_hook(state, weighted_allreduce_hook)
 
 
-class HookAsyncCountStep(WeightedDDPStep):
-    """ddp_weighted's hook and its asynchronous count all-reduce, without the per-microbatch count reads and
-    the end-of-window host read (counts taken from the batch shape)."""
+class SeparateCountStep(WeightedDDPStep):
+    """ddp_weighted with its counts in their own asynchronous float64 all-reduce, as for bf16 gradients, instead
+    of riding in the first bucket: the price of the extra collective."""
 
-    name = "hook_async_count"
-
-    def step(self, window: Iterator[Batch]) -> None:
-        count = WindowCount()
-        for micro, batch in enumerate(window):
-            with self.sync_context(micro):
-                count.add(float(len(batch[2])))
-                loss = local_mean(self.ddp, batch)
-                if micro == self.accumulate - 1:
-                    self.state.start_count_reduction(count.vector(self.rank), count.reference, self.device)
-                loss.backward()
-        self.state.counts()  # the collective must complete before the next window; no host read
-        self.finish()
-
-
-def post_divide_hook(state: WeightedReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """A candidate change to ``weighted_allreduce_hook``: SUM the bucket at once and divide by ``N`` when the SUM
-    completes, so the autograd thread never waits for the count. The division must then be the same on every
-    rank, so the losses are scaled by ``n_m`` (a reference of 1 everywhere) instead of ``n_m / n_ref``: the
-    buckets carry item SUMS, fine in fp32/bf16, not in fp16 (which keeps the pre-division against overflow)."""
-    work = dist.all_reduce(bucket.buffer(), group=state.process_group, async_op=True)
-
-    def divide(future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        return future.value()[0].div_(state.divisor())
-
-    return work.get_future().then(divide)
-
-
-# DDP checks the annotations themselves, which `from __future__ import annotations` turns into strings.
-post_divide_hook.__annotations__ = {
-    "state": WeightedReduceState,
-    "bucket": dist.GradBucket,
-    "return": torch.futures.Future[torch.Tensor],
-}
-
-
-class PostDivideStep(WeightedDDPStep):
-    """The full ddp_weighted step with :func:`post_divide_hook` in place of the package's hook."""
-
-    name = "weighted_post_divide"
-    hook = post_divide_hook
-    global_reference = True
+    name = "weighted_separate_count"
+    rides = False
 
 
 VARIANTS: dict[str, type[RawStep]] = {
@@ -199,8 +159,7 @@ VARIANTS: dict[str, type[RawStep]] = {
         PreCountStep,
         PythonHookStep,
         HookOnlyStep,
-        HookAsyncCountStep,
-        PostDivideStep,
+        SeparateCountStep,
     )
 }
 

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from cost_model import COUNT_BYTES, DEFAULT_MODELS, DEFAULT_RANKS, Inputs, markdown, projection
+from cost_model import COUNT_BYTES, DEFAULT_MODELS, DEFAULT_RANKS, RIDE_BYTES, Inputs, markdown, projection
 
 SHOWN = ["ddp_control", "ddp_weighted", "post_hoc", "pre_count"]
 TITLES = {
@@ -17,8 +17,7 @@ TITLES = {
     "pre_count": "pre-count",
     "py_allreduce_hook": "torch's Python allreduce_hook",
     "hook_no_count": "weighted hook, constant divisor",
-    "hook_async_count": "+ async count all-reduce",
-    "weighted_post_divide": "ddp_weighted with a post-dividing hook",
+    "weighted_separate_count": "ddp_weighted, counts in a separate all-reduce",
 }
 
 ANALYSIS_FILE = "ANALYSIS.md"  # hand-written findings, pasted in verbatim when present
@@ -174,16 +173,19 @@ def cpu_model_table(data: dict[str, Any]) -> str:
     if count is None:
         return "(no probe)"
     lines = [
-        "| point | plain DDP step (ms) | gloo count all-reduce (ms) | share if fully exposed |"
+        "| point | plain DDP step (ms) | ddp_weighted's count | share if fully exposed |"
         " measured ddp_weighted ÷ DDP − 1 | A-vs-A control − 1 |",
-        "|---|---:|---:|---:|---:|---:|",
+        "|---|---:|---|---:|---:|---:|",
     ]
     for entry in data["raw"]:
         point = entry["point"]
         step = entry["ms"]["ddp"] / 1e3
+        rides = point["dtype"] in ("fp32", "fp64")
+        how = f"rides (+{RIDE_BYTES} B)" if rides else f"all-reduce, {count * 1e3:.3f} ms"
+        share = "—" if rides else f"{100 * count / step:.1f} %"
         lines.append(
-            f"| {point['size']} A={point['accumulate']} {point['dtype']} | {step * 1e3:.2f} | {count * 1e3:.3f} |"
-            f" {100 * count / step:.1f} % | {100 * (entry['ratio']['ddp_weighted']['median'] - 1):+.1f} % |"
+            f"| {point['size']} A={point['accumulate']} {point['dtype']} | {step * 1e3:.2f} | {how} | {share} |"
+            f" {100 * (entry['ratio']['ddp_weighted']['median'] - 1):+.1f} % |"
             f" {100 * (entry['ratio']['ddp_control']['median'] - 1):+.1f} % |"
         )
     return "\n".join(lines) + (
@@ -243,8 +245,8 @@ def write_chart(data: dict[str, Any], path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("GPUs (NCCL, α-β model)")
-    ax.set_ylabel("count all-reduce ÷ (count + gradient all-reduce), %")
-    ax.set_title("Projected upper bound of the extra collective's share")
+    ax.set_ylabel("counts' cost ÷ (that + gradient all-reduce), %")
+    ax.set_title("Projected upper bound of the counts' share (fp32: riding)")
     ax.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -336,10 +338,10 @@ def write_report(data: dict[str, Any], out: Path) -> None:
         "",
         "Each column adds one piece of the mechanism to plain DDP, all interleaved in the same rounds: torch's "
         "own Python `allreduce_hook` (the price of any Python comm hook against DDP's C++ reducer), ddp_weighted's "
-        "hook dividing by a constant (no count collective), plus the asynchronous count all-reduce, and the full "
-        "ddp_weighted step (plus per-microbatch count reads and the end-of-window host read of N); the last "
-        "column is a candidate fix (`raw_step.post_divide_hook`): SUM each bucket at once and divide by N/n_ref "
-        "in the future's callback, so the autograd thread never waits for the count.",
+        "hook dividing by a constant (no count at all), ddp_weighted with its counts in a separate asynchronous "
+        "float64 all-reduce (its bf16/fp16 path, forced here on fp32 gradients), and ddp_weighted as shipped, "
+        "the counts riding at the end of the first fp32 bucket (plus per-microbatch count reads and the "
+        "end-of-window host read of N in both).",
         "",
         ablation_table(data.get("ablation", [])),
         "",
@@ -353,7 +355,7 @@ def write_report(data: dict[str, Any], out: Path) -> None:
         "",
         sweep_table(data["sweep"]) if data["sweep"] else "(not run)",
         "",
-        "## α-β cost model: the extra count collective at scale (NCCL)",
+        "## α-β cost model: the counts at scale (NCCL)",
         "",
         "An all-reduce of `b` bytes over `P` ranks costs `t = o + 2(P−1)·α + 2(P−1)/P·b·β` (ring) or "
         "`t = o + 2·log2(P)·α + 2(P−1)/P·b·β` (tree); NCCL's tuner picks the faster (`cost_model.py`, after "
@@ -361,13 +363,14 @@ def write_report(data: dict[str, Any], out: Path) -> None:
         "Inputs (defaults of `cost_model.Inputs`, with their sources in its docstring): o = 10 µs per call; "
         "α = 2 µs per NVLink hop (P = 8), 5 µs per InfiniBand hop (P > 8); 1/β = 360 GB/s within a node, "
         "45 GB/s per GPU across nodes (400 Gb/s NDR); HBM 3.35 TB/s for post-hoc's pass over the gradients. "
-        f"ddp_weighted's count vector is {COUNT_BYTES} bytes ({COUNT_BYTES // 8} × float64).",
+        f"With fp32 gradients ddp_weighted's counts ride in the first bucket ({RIDE_BYTES} more bytes, no call); "
+        f"with bf16 they are a separate all-reduce of {COUNT_BYTES} bytes ({COUNT_BYTES // 8} × float64).",
         "",
-        "The share column is an upper bound: it charges the count in full against a step that holds nothing but "
-        "the gradient all-reduce. In ddp_weighted the count all-reduce is launched asynchronously before the "
-        "syncing backward and the hook waits for it only when the first bucket is ready, so it is exposed only "
-        "when that part of the backward is shorter than `t_count`. Post-hoc and pre-count pay the same "
-        "latency fully exposed (blocking), post-hoc also a read and write of every gradient.",
+        "The share column is an upper bound: it charges the counts in full against a step that holds nothing but "
+        "the gradient all-reduce. The separate count all-reduce is launched asynchronously before the syncing "
+        "backward and the hook waits for it only when the first bucket is ready, so it is exposed only when that "
+        "part of the backward is shorter than its time. Post-hoc and pre-count pay a count call fully exposed "
+        "(blocking) at every P and dtype, post-hoc also a read and write of every gradient.",
         "",
         markdown(projection(DEFAULT_MODELS, DEFAULT_RANKS, Inputs())),
         "",

@@ -37,9 +37,8 @@ ABLATION_VARIANTS = [
     "ddp_control",
     "py_allreduce_hook",
     "hook_no_count",
-    "hook_async_count",
+    "weighted_separate_count",
     "ddp_weighted",
-    "weighted_post_divide",
 ]
 
 

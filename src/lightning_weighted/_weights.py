@@ -14,12 +14,20 @@ from enum import IntEnum
 
 import torch
 
-__all__ = ["CountProblem", "GlobalCount", "WindowCount", "decode", "divisor", "read_count"]
+__all__ = ["CountProblem", "GlobalCount", "WindowCount", "decode", "divisor", "read_count", "ride", "unride"]
 
 # Layout of the float64 vector every rank contributes to the window's count reduction (a SUM).
 # float64 holds every integer up to 2**53 exactly, so item counts and weight sums stay exact.
 ITEMS, INVALID, CODE, VALUE, MORE, LOSS, WIDTH = 0, 1, 2, 3, 4, 5, 6
 _KINDS = 16  # CODE = rank * _KINDS + kind; decoded only when exactly one rank reports a problem
+MAX_ITEMS = 2.0**53  # a rank's items in one window stay below it, where float64 still counts single items
+
+# Layout of the same counts riding at the end of an fp32 (or fp64) gradient bucket: the whole part of ITEMS as
+# DIGITS base-256 digits (a digit summed over P <= MAX_RIDING_RANKS ranks is at most 255·P <= 2**24, an exact
+# fp32 integer, so N is exact), the fractional part of ITEMS, INVALID, MORE and LOSS. The rank and value of an
+# invalid count (CODE, VALUE) are fetched by a second reduction, on the error path only.
+DIGITS, RIDE_WIDTH = 8, 12
+MAX_RIDING_RANKS = 2**24 // 255
 
 
 class CountProblem(IntEnum):
@@ -33,6 +41,7 @@ class CountProblem(IntEnum):
     NO_LOSS = 6
     NO_GRAPH = 7
     FRACTIONAL = 8
+    TOO_LARGE = 9
 
 
 _FIX = (
@@ -49,8 +58,13 @@ _MESSAGES: dict[CountProblem, tuple[type[Exception], str]] = {
     CountProblem.NO_LOSS: (RuntimeError, "training_step returned None instead of a loss"),
     CountProblem.NO_GRAPH: (RuntimeError, "training_step returned a loss that is not attached to the graph"),
     CountProblem.FRACTIONAL: (ValueError, "a microbatch's count of examples or tokens is fractional ({value!r})"),
+    CountProblem.TOO_LARGE: (
+        ValueError,
+        "the window's count reaches 2**53 ({value!r}), where one item no longer changes a float64 sum;"
+        " count in coarser units or rescale the sample weights",
+    ),
 }
-_WITH_VALUE = (CountProblem.NEGATIVE, CountProblem.NOT_FINITE, CountProblem.FRACTIONAL)
+_WITH_VALUE = (CountProblem.NEGATIVE, CountProblem.NOT_FINITE, CountProblem.FRACTIONAL, CountProblem.TOO_LARGE)
 
 
 def read_count(value: object, integer: bool = False) -> tuple[float, CountProblem | None]:
@@ -106,6 +120,9 @@ class WindowCount:
         """Records a valid count; returns the factor ``count / reference`` for that microbatch's mean loss."""
         if count == 0:
             return 0.0
+        if self.items + count >= MAX_ITEMS:
+            self.reject(CountProblem.TOO_LARGE, self.items + count)
+            return 0.0
         if self.reference == 0:
             self.reference = count
         self.items += count
@@ -158,6 +175,35 @@ def decode(summed: Sequence[float]) -> GlobalCount:
     elif invalid > 1:
         error = ValueError(f"on {invalid} ranks, a microbatch's count or loss is invalid. {_FIX}.")
     return GlobalCount(summed[ITEMS], error, more, summed[LOSS])
+
+
+def ride(vector: Sequence[float]) -> list[float]:
+    """Re-encodes a rank's count vector to ride in an fp32 gradient bucket (see ``RIDE_WIDTH``).
+
+    Example::
+
+        >>> ride([1000.5, 0.0, 0.0, 0.0, 1.0, 0.0])
+        [232.0, 3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.0, 1.0, 0.0]
+    """
+    whole = math.floor(vector[ITEMS])
+    digits = [float((whole >> (8 * place)) & 255) for place in range(DIGITS)]
+    return [*digits, vector[ITEMS] - whole, vector[INVALID], vector[MORE], vector[LOSS]]
+
+
+def unride(summed: torch.Tensor) -> torch.Tensor:
+    """The summed riding counts (``RIDE_WIDTH`` values) as the float64 count vector, on their device.
+
+    CODE and VALUE are 0: they do not ride. Example::
+
+        >>> unride(torch.tensor(ride([1000.5, 0, 0, 0, 1, 7]), dtype=torch.float32) * 2).tolist()
+        [2001.0, 0.0, 0.0, 0.0, 2.0, 14.0]
+    """
+    summed = summed.double()
+    places = torch.pow(256.0, torch.arange(DIGITS, dtype=torch.float64, device=summed.device))
+    items = (summed[:DIGITS] * places).sum() + summed[DIGITS]
+    zero = torch.zeros((), dtype=torch.float64, device=summed.device)
+    invalid, more, loss = summed[DIGITS + 1], summed[DIGITS + 2], summed[DIGITS + 3]
+    return torch.stack([items, invalid, zero, zero, more, loss])
 
 
 def divisor(items: torch.Tensor, reference: float) -> torch.Tensor:

@@ -9,10 +9,17 @@ accumulation window, each holding :math:`n_{rm}` valid items whose mean gradient
 
 Each rank scales its microbatch losses so that its accumulated gradient is
 :math:`\sum_m n_{rm} \bar g_{rm} / n^{\mathrm{ref}}_r` (:math:`n^{\mathrm{ref}}_r` is the rank's first positive
-count of the window), the window's :math:`N` is summed exactly in float64 by one small asynchronous
-all-reduce launched before the last backward, and the hook divides every bucket by
-:math:`N / n^{\mathrm{ref}}_r` before the SUM all-reduce: the pre-division keeps fp16 buckets in range,
-exactly as DDP's own ``allreduce_hook`` divides by the world size first.
+count of the window, which keeps losses mean-sized). The window's :math:`N` reaches every rank in one of two ways:
+
+- fp32 and fp64 gradients: the counts ride at the end of the first bucket, which each rank multiplies by
+  :math:`n^{\mathrm{ref}}_r` on the way (the copy riding needs anyway); the SUM gives :math:`\sum_r \sum_m n_{rm}
+  \bar g_{rm}` and :math:`N` together, and the bucket is divided by :math:`N` as it comes back. Every later
+  bucket is divided by :math:`N / n^{\mathrm{ref}}_r` before its SUM, once the first one is back. No extra
+  collective: the first bucket grows by 12 values.
+- fp16 and bf16 gradients, whose integers are exact only to 2048 and 256: the counts are summed in float64 by
+  one small asynchronous all-reduce launched before the syncing backward, and every bucket is divided by
+  :math:`N / n^{\mathrm{ref}}_r` before its SUM. The pre-division keeps fp16 buckets in range, exactly as
+  DDP's own ``allreduce_hook`` divides by the world size first.
 
 Worked trace: ``w = 10``, per-item loss :math:`\tfrac12 (w - y)^2`; rank 0 holds targets ``[9, 9]``
 (``n = 2``, mean gradient 1), rank 1 holds ``[7] * 6`` (``n = 6``, mean gradient 3).
@@ -30,9 +37,11 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket
 from torch.futures import Future
 
-from lightning_weighted._weights import LOSS, WIDTH, divisor
+from lightning_weighted._weights import INVALID, ITEMS, MAX_RIDING_RANKS, RIDE_WIDTH, WIDTH, divisor, ride, unride
 
 __all__ = ["WeightedReduceState", "weighted_allreduce_hook"]
+
+_RIDING_DTYPES = (torch.float32, torch.float64)
 
 
 class WeightedReduceState:
@@ -40,31 +49,52 @@ class WeightedReduceState:
 
     Args:
         process_group: the group gradients are reduced over; ``None`` is the default (world) group.
+        rides: whether the counts ride in the first gradient bucket (fp32/fp64 gradients, at most
+            65793 ranks; see :meth:`can_ride`) instead of a separate float64 all-reduce. The same on every rank.
     """
 
-    __slots__ = ("_counts", "_divisor", "_reference", "_work", "process_group")
+    __slots__ = (
+        "_device",
+        "_divisor",
+        "_local",
+        "_loss_sum",
+        "_pending",
+        "_reference",
+        "_summed",
+        "process_group",
+        "rides",
+    )
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, process_group: dist.ProcessGroup | None = None, rides: bool = False) -> None:
         self.process_group = process_group
-        # The window's count reduction, started by `start_count_reduction`.
-        self._counts: torch.Tensor | None = None
-        self._work: dist.Work | None = None
-        self._divisor: torch.Tensor | None = None
+        self.rides = rides
+        self._local: list[float] | None = None  # this rank's count vector for the window in progress
         self._reference = 0.0
+        self._device = torch.device("cpu")
+        self._loss_sum: torch.Tensor | None = None
+        self._pending: Future[Any] | None = None  # completes when `_summed` holds the summed count vector
+        self._summed: torch.Tensor | None = None
+        self._divisor: torch.Tensor | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # Like `PowerSGDState`: a process group, a pending collective and device tensors do not pickle.
-        return {}
+        return {"rides": self.rides}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__()  # type: ignore[misc]
+        self.__init__(rides=state.get("rides", False))  # type: ignore[misc]
 
-    def start_count_reduction(
+    @staticmethod
+    def can_ride(dtypes: Sequence[torch.dtype], world_size: int) -> bool:
+        """Whether counts can ride, exactly, in gradient buckets of these dtypes over ``world_size`` ranks."""
+        return all(dtype in _RIDING_DTYPES for dtype in dtypes) and world_size <= MAX_RIDING_RANKS
+
+    def begin_window(
         self, local: Sequence[float], reference: float, device: torch.device, loss_sum: torch.Tensor | None = None
     ) -> None:
-        """Launches the SUM all-reduce of this rank's count vector without waiting for it.
+        """Hands over this rank's counts for the window; called before the backward that syncs gradients.
 
-        Called before the backward that syncs gradients, so the reduction overlaps that backward.
+        When the counts ride, they leave with the first bucket; otherwise their SUM all-reduce starts now,
+        without waiting, so it overlaps that backward.
 
         Args:
             local: this rank's count vector (see ``_weights.WindowCount.vector``).
@@ -74,47 +104,94 @@ class WeightedReduceState:
         """
         if len(local) != WIDTH:
             raise ValueError(f"expected a count vector of length {WIDTH}, got {list(local)}")
-        counts = torch.tensor(local, dtype=torch.float64)
-        if device.type == "cuda":
-            # A pinned, non-blocking copy keeps the host from waiting for the device.
-            counts = counts.pin_memory()
-        counts = counts.to(device, non_blocking=True)
-        if loss_sum is not None:
-            counts[LOSS] += loss_sum.to(device=device, dtype=torch.float64)
-        self._counts = counts
-        self._work = dist.all_reduce(self._counts, group=self.process_group, async_op=True)
-        self._divisor = None
-        self._reference = reference
+        self._local, self._reference, self._device, self._loss_sum = list(local), reference, device, loss_sum
+        self._pending = self._summed = self._divisor = None
+        if self.rides:
+            return
+        self._summed = self._to_device(self._local)
+        self._pending = dist.all_reduce(self._summed, group=self.process_group, async_op=True).get_future()
 
-    def counts(self) -> torch.Tensor:
-        """The summed count vector of the window (waits for the reduction once)."""
-        if self._counts is None:
-            raise RuntimeError(
-                "no count reduction was started for this window: the gradient-syncing backward must run through"
-                " `WeightedDDPStrategy.backward`"
-            )
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        return self._counts
+    def counts(self) -> list[float]:
+        """The summed count vector of the window, on the host (one device read per window).
+
+        When the counts rode and some rank reported an invalid count, one more float64 all-reduce (on every
+        rank alike, since all see the flag) brings which rank and which value.
+        """
+        summed = self._wait().tolist()
+        if self.rides and summed[INVALID] > 0:
+            assert self._local is not None
+            details = self._to_device(self._local)
+            dist.all_reduce(details, group=self.process_group)
+            summed = details.tolist()
+        return summed
 
     def divisor(self) -> torch.Tensor:
         """``N / reference`` as a 0-dim float64 tensor on the gradients' device (computed once per window)."""
         if self._divisor is None:
-            self._divisor = divisor(self.counts()[0], self._reference)
+            self._divisor = divisor(self._wait()[ITEMS], self._reference)
         return self._divisor
+
+    def send_with_counts(self, buffer: torch.Tensor) -> Future[torch.Tensor]:
+        """SUM-reduces the first bucket with the window's counts riding at its end; divides it by ``N`` on return."""
+        if self._local is None:
+            raise _no_window()
+        if buffer.dtype not in _RIDING_DTYPES:
+            raise TypeError(
+                f"counts ride only in float32/float64 gradient buckets, but the first bucket holds {buffer.dtype}:"
+                " set `WeightedReduceState.rides` from `WeightedReduceState.can_ride` over every gradient dtype"
+            )
+        size = buffer.numel()
+        sent = torch.empty(size + RIDE_WIDTH, dtype=buffer.dtype, device=buffer.device)
+        torch.mul(buffer, self._reference or 1.0, out=sent[:size])
+        sent[size:] = self._to_device(ride(self._local))
+
+        def unpack(future: Future[list[torch.Tensor]]) -> torch.Tensor:
+            summed = future.value()[0]
+            self._summed = unride(summed[size:])
+            return torch.div(summed[:size], divisor(self._summed[ITEMS], 1.0), out=buffer)
+
+        work = dist.all_reduce(sent, group=self.process_group, async_op=True)
+        self._pending = work.get_future().then(unpack)
+        return self._pending
+
+    def _to_device(self, values: list[float]) -> torch.Tensor:
+        vector = torch.tensor(values, dtype=torch.float64)
+        if self._device.type == "cuda":
+            # A pinned, non-blocking copy keeps the host from waiting for the device.
+            vector = vector.pin_memory()
+        vector = vector.to(self._device, non_blocking=True)
+        if self._loss_sum is not None:
+            vector[-1] += self._loss_sum.to(device=self._device, dtype=torch.float64)
+        return vector
+
+    def _wait(self) -> torch.Tensor:
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+        if self._summed is None:
+            raise _no_window()
+        return self._summed
+
+
+def _no_window() -> RuntimeError:
+    return RuntimeError(
+        "no count reduction was started for this window: the gradient-syncing backward must run through"
+        " `WeightedDDPStrategy.backward` (on a bare DDP module: `WeightedReduceState.begin_window`)"
+    )
 
 
 def weighted_allreduce_hook(state: WeightedReduceState, bucket: GradBucket) -> Future[torch.Tensor]:
-    """Divides the bucket by ``N / reference`` and SUM-reduces it, so every rank holds the global item mean.
+    """SUM-reduces the bucket so that every rank holds the global item mean of the window's gradient.
 
     Example::
 
-        >>> # `WeightedDDPStrategy` registers it; on a bare DDP module (where the strategy's count
-        >>> # reduction must be started by hand) it would be:
-        >>> # ddp_model.register_comm_hook(WeightedReduceState(), weighted_allreduce_hook)
+        >>> # `WeightedDDPStrategy` registers it; on a bare DDP module, with the strategy's
+        >>> # `begin_window` called before each syncing backward, it would be:
+        >>> # ddp_model.register_comm_hook(WeightedReduceState(rides=True), weighted_allreduce_hook)
     """
     buffer = bucket.buffer()
+    if state.rides and bucket.index() == 0:
+        return state.send_with_counts(buffer)
     buffer.div_(state.divisor())
     work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
     future: Future[list[torch.Tensor]] = work.get_future()

@@ -169,6 +169,8 @@ class WeightedDDPStrategy(DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         # `DDPStrategy` registers comm hooks on CUDA only; ours is needed wherever DDP reduces.
         assert isinstance(self.model, DistributedDataParallel)
+        dtypes = [param.dtype for param in self.model.parameters() if param.requires_grad]
+        self._hook_state.rides = WeightedReduceState.can_ride(dtypes, self.world_size)
         self.model.register_comm_hook(self._hook_state, weighted_allreduce_hook)
 
     @override
@@ -254,7 +256,7 @@ class WeightedDDPStrategy(DDPStrategy):
         if self.model.require_backward_grad_sync:
             more = self._participation.has_more()
             vector = self._window.vector(self.global_rank, more)
-            self._hook_state.start_count_reduction(vector, self._window.reference, self.root_device, self._loss_sum)
+            self._hook_state.begin_window(vector, self._window.reference, self.root_device, self._loss_sum)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
@@ -286,7 +288,7 @@ class WeightedDDPStrategy(DDPStrategy):
 
     def _finish_window(self, optimizer: Optimizer) -> None:
         """Reads the window's global count (one host read per optimizer step) and acts on it on every rank."""
-        window = decode(self._hook_state.counts().tolist())
+        window = decode(self._hook_state.counts())
         local_items = self._window.items
         self._window, self._loss_sum = WindowCount(), None
         if window.error is not None:

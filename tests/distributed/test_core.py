@@ -53,8 +53,17 @@ def test_a_window_without_items_leaves_params_optimizer_and_scheduler_bit_identi
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
 
 
-def test_the_hook_is_registered_on_cpu_and_adds_one_48_byte_collective_per_optimizer_step(tmp_path):
-    config = Config(strategy="ddp_weighted_fork", accumulate=3, batches=7, count_collectives=True)
+@pytest.mark.parametrize(
+    ("precision", "ours"),
+    [
+        # fp32 gradients: the counts ride at the end of the one bucket (21 gradients + 12 count values)
+        ("32-true", [("all_reduce", "torch.float32", 21 + 12)]),
+        # bf16 gradients: a 6 × 8-byte float64 count vector before the syncing backward, then the bucket
+        ("bf16-true", [("all_reduce", "torch.float64", 6), ("all_reduce", "torch.bfloat16", 21)]),
+    ],
+)
+def test_the_hook_is_registered_on_cpu_and_its_collectives_per_optimizer_step_are(tmp_path, precision, ours):
+    config = Config(strategy="ddp_weighted_fork", accumulate=3, batches=7, count_collectives=True, precision=precision)
     result = fit(config, tmp_path)
     for rank in result:
         assert rank["comm_hook"] == "weighted_allreduce_hook"
@@ -62,10 +71,8 @@ def test_the_hook_is_registered_on_cpu_and_adds_one_48_byte_collective_per_optim
         assert steps == 3  # windows of 3, 3 and 1 microbatches
         # Lightning itself broadcasts its SIGTERM flag once per batch, with any strategy
         lightning = [c for c in rank["collectives"] if c == ("broadcast", "torch.int64", 1)]
-        ours = [c for c in rank["collectives"] if c not in lightning]
         assert len(lightning) == 7
-        # per window: the 6 × 8-byte count vector, launched before the syncing backward, then the one bucket
-        assert ours == [("all_reduce", "torch.float64", 6), ("all_reduce", "torch.float32", 21)] * steps
+        assert [c for c in rank["collectives"] if c not in lightning] == ours * steps
 
 
 @pytest.mark.parametrize(
@@ -118,14 +125,20 @@ def test_unsupported_combinations_are_refused_at_setup_on_every_rank(tmp_path, c
 
 
 @pytest.mark.parametrize(
-    ("value", "error", "message"),
+    ("value", "error", "message", "precision"),
     [
-        (-3, "ValueError", "on rank 1, a microbatch's count is negative (-3.0)"),
-        (float("nan"), "ValueError", "on rank 1, a microbatch's count is not finite (nan)"),
-        ("many", "TypeError", "on rank 1, a microbatch's count is not a number"),
+        # fp32 gradients: the invalid flag rides in the first bucket, then one float64 all-reduce brings the details
+        (-3, "ValueError", "on rank 1, a microbatch's count is negative (-3.0)", "32-true"),
+        (float("nan"), "ValueError", "on rank 1, a microbatch's count is not finite (nan)", "32-true"),
+        ("many", "TypeError", "on rank 1, a microbatch's count is not a number", "32-true"),
+        (1e20, "ValueError", "on rank 1, the window's count reaches 2**53 (1e+20)", "32-true"),
+        # bf16 gradients: the details travel in the float64 count vector itself
+        (-3, "ValueError", "on rank 1, a microbatch's count is negative (-3.0)", "bf16-true"),
     ],
 )
-def test_a_bad_count_on_one_rank_raises_the_same_error_on_every_rank_before_the_step(tmp_path, value, error, message):
-    config = Config(strategy="ddp_weighted", accumulate=2, bad_count=[1, 3, value])
+def test_a_bad_count_on_one_rank_raises_the_same_error_on_every_rank_before_the_step(
+    tmp_path, value, error, message, precision
+):
+    config = Config(strategy="ddp_weighted", accumulate=2, bad_count=[1, 3, value], precision=precision)
     done = fit(config, tmp_path, timeout=90, expect_failure=True)
     assert done.stdout.count(f"{error}: {message}") == 2, done.stdout[-4000:]  # raised on both ranks

@@ -55,8 +55,9 @@ def test_a_user_comm_hook_is_refused_because_the_hook_is_owned_by_ddp_weighted(a
 
 
 def test_hook_state_pickles_without_its_process_group_or_pending_work():
-    state = pickle.loads(pickle.dumps(WeightedReduceState()))
+    state = pickle.loads(pickle.dumps(WeightedReduceState(rides=True)))
     assert state.process_group is None
+    assert state.rides
     with pytest.raises(RuntimeError, match="no count reduction was started"):
         state.counts()
 

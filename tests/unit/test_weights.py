@@ -7,8 +7,22 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from lightning_weighted._weights import CountProblem, WindowCount, decode, divisor, read_count
+from lightning_weighted._weights import (
+    MAX_ITEMS,
+    MAX_RIDING_RANKS,
+    RIDE_WIDTH,
+    CountProblem,
+    WindowCount,
+    decode,
+    divisor,
+    read_count,
+    ride,
+    unride,
+)
+from lightning_weighted.hook import WeightedReduceState
 
 
 def _reduce(windows: list[WindowCount]) -> list[float]:
@@ -166,6 +180,12 @@ def test_read_count_flags_nan_as_not_finite():
         (CountProblem.NO_LOSS, math.nan, RuntimeError, r"on rank 1, training_step returned None instead of a loss"),
         (CountProblem.NO_GRAPH, math.nan, RuntimeError, r"training_step returned a loss that is not attached to the"),
         (CountProblem.FRACTIONAL, 2.5, ValueError, r"on rank 1, a microbatch's count of examples or tokens is fract"),
+        (
+            CountProblem.TOO_LARGE,
+            1e20,
+            ValueError,
+            r"on rank 1, the window's count reaches 2\*\*53 \(1e\+20\)",
+        ),
     ],
 )
 def test_one_bad_rank_gives_the_same_error_naming_rank_value_and_fix_everywhere(problem, value, error, match):
@@ -191,3 +211,69 @@ def test_only_the_first_problem_of_a_window_is_reported():
     window.reject(CountProblem.NEGATIVE, -2.0)
     window.reject(CountProblem.NOT_A_NUMBER)
     assert window.vector(0) == [0.0, 1.0, float(CountProblem.NEGATIVE), -2.0, 1.0, 0.0]
+
+
+def _ride_sum(vectors: list[list[float]], dtype: torch.dtype = torch.float32) -> list[float]:
+    """What the SUM all-reduce of the counts riding in a bucket of ``dtype`` gives, as the float64 vector."""
+    summed = torch.zeros(RIDE_WIDTH, dtype=dtype)
+    for vector in vectors:  # one rank after another, each partial sum rounded to `dtype` as a ring would
+        summed += torch.tensor(ride(vector), dtype=dtype)
+    return unride(summed).tolist()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2**40), min_size=1, max_size=4), min_size=1, max_size=6))
+def test_integer_counts_riding_in_fp32_sum_exactly(counts):
+    windows = [WindowCount() for _ in counts]
+    for window, rank_counts in zip(windows, counts, strict=True):
+        for n in rank_counts:
+            window.add(float(n))
+    summed = _ride_sum([w.vector(rank, more=rank % 2 == 0) for rank, w in enumerate(windows)])
+    assert summed[0] == sum(map(sum, counts))  # exact, where an fp32 sum of the counts rounds above 2**24
+    assert summed[4] == len([r for r in range(len(counts)) if r % 2 == 0])
+
+
+def test_the_largest_digit_sum_over_the_most_riding_ranks_is_an_exact_fp32_integer():
+    assert 255 * MAX_RIDING_RANKS <= 2**24 < 255 * (MAX_RIDING_RANKS + 1)
+    digit_sum = torch.tensor(255.0, dtype=torch.float32) * MAX_RIDING_RANKS
+    assert int(digit_sum.item()) == 255 * MAX_RIDING_RANKS
+    # the whole part of a rank's window count spans 8 base-256 digits; the window cap is 2**53
+    assert unride(torch.tensor(ride([MAX_ITEMS, 0, 0, 0, 0, 0]), dtype=torch.float32)).tolist()[0] == MAX_ITEMS
+
+
+def test_weight_sums_ride_with_their_fraction_in_fp32():
+    vectors = [[1000.25, 0, 0, 0, 1, 2.5], [0.1 + 0.2, 0, 0, 0, 0, 1.0]]
+    summed = _ride_sum(vectors)
+    # whole parts exact; each fraction (< 1) and their fp32 sum are rounded: at most P·2**-24 in all
+    assert summed[0] == pytest.approx(1000.25 + 0.30000000000000004, abs=len(vectors) * 2**-24)
+    assert summed[5] == 3.5  # Σ n·loss, in fp32
+
+
+def test_an_invalid_count_rides_as_a_flag_and_its_details_are_left_to_float64():
+    bad = WindowCount()
+    bad.reject(CountProblem.NEGATIVE, -3.0)
+    summed = _ride_sum([bad.vector(1)])
+    assert summed[1] == 1.0 and summed[2] == summed[3] == 0.0
+
+
+def test_a_window_count_beyond_2_to_the_53_is_rejected_rather_than_rounded():
+    window = WindowCount()
+    assert window.add(MAX_ITEMS - 1) == 1.0
+    assert window.add(1.0) == 0.0
+    assert window.problem == (CountProblem.TOO_LARGE, MAX_ITEMS)
+    assert window.items == MAX_ITEMS - 1
+
+
+@pytest.mark.parametrize(
+    ("dtypes", "world_size", "rides"),
+    [
+        ([torch.float32], 2, True),
+        ([torch.float64, torch.float32], 8, True),
+        ([torch.float32], MAX_RIDING_RANKS, True),
+        ([torch.float32], MAX_RIDING_RANKS + 1, False),
+        ([torch.bfloat16], 2, False),
+        ([torch.float32, torch.float16], 2, False),
+    ],
+)
+def test_counts_ride_only_where_they_stay_exact(dtypes, world_size, rides):
+    assert WeightedReduceState.can_ride(dtypes, world_size) is rides
