@@ -68,11 +68,10 @@ class ControlStep(PlainDDPStep):
 class WeightedDDPStep(RawStep):
     """What ``strategy="ddp_weighted"`` does, on a raw DDP module (``WeightedDDPStrategy`` in 20 lines).
 
-    Each microbatch's mean loss is scaled by ``n_m / n_ref``; before the syncing backward the window's count
-    vector is handed to the hook state, which sends it at the end of the first bucket (fp32 gradients) or
-    starts its asynchronous float64 all-reduce (bf16); the comm hook SUMs each bucket so that it holds the
-    global item mean; after the backward the count is read once on the host (the strategy's N = 0 and error
-    check).
+    Each microbatch's mean loss is scaled by ``n_m`` (fp32 gradients: the counts ride in the first bucket and
+    every bucket is divided by ``N`` after its SUM) or by ``n_m / n_ref`` (bf16: the window's float64 count
+    all-reduce starts before the syncing backward and every bucket is divided by ``N / n_ref`` before its
+    SUM); after the backward the count is read once on the host (the strategy's N = 0 and error check).
     """
 
     name = "ddp_weighted"
@@ -87,7 +86,7 @@ class WeightedDDPStep(RawStep):
         self.device = torch.device("cpu")
 
     def step(self, window: Iterator[Batch]) -> None:
-        count = WindowCount()
+        count = WindowCount(reference=1.0) if self.state.rides else WindowCount()
         for micro, batch in enumerate(window):
             with self.sync_context(micro):
                 n, _ = read_count(batch[2].sum())

@@ -1,4 +1,4 @@
-"""Benchmarks ddp_weighted side by side with plain DDP and the anchors' mechanisms (issue 5).
+"""Benchmarks ddp_weighted side by side with plain DDP and the anchors' mechanisms.
 
 Runs, on 2 gloo ranks of this machine, each level in fresh processes under a hard timeout:
 

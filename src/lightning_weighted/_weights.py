@@ -107,9 +107,9 @@ def read_count(value: object, integer: bool = False) -> tuple[float, CountProble
 class WindowCount:
     """One rank's host-side account of the accumulation window in progress.
 
-    Microbatch losses are scaled relative to ``reference``, the window's first positive count, so the
-    scaled losses stay near the magnitude of a mean (no overflow in fp16) and, with one microbatch per
-    window, stay untouched.
+    Microbatch losses are scaled relative to ``reference``. Left at 0 it becomes the window's first positive
+    count, so the scaled losses stay near the magnitude of a mean (no overflow in fp16) and, with one
+    microbatch per window, stay untouched; set to 1 it turns the losses into item sums.
     """
 
     items: float = 0.0

@@ -8,18 +8,18 @@ accumulation window, each holding :math:`n_{rm}` valid items whose mean gradient
     N = \sum_r \sum_m n_{rm}, \qquad g = \frac{1}{N} \sum_r \sum_m n_{rm}\, \bar g_{rm}.
 
 Each rank scales its microbatch losses so that its accumulated gradient is
-:math:`\sum_m n_{rm} \bar g_{rm} / n^{\mathrm{ref}}_r` (:math:`n^{\mathrm{ref}}_r` is the rank's first positive
-count of the window, which keeps losses mean-sized). The window's :math:`N` reaches every rank in one of two ways:
+:math:`\sum_m n_{rm} \bar g_{rm} / c_r`, and the window's :math:`N` reaches every rank in one of two ways:
 
-- fp32 and fp64 gradients: the counts ride at the end of the first bucket, which each rank multiplies by
-  :math:`n^{\mathrm{ref}}_r` on the way (the copy riding needs anyway); the SUM gives :math:`\sum_r \sum_m n_{rm}
-  \bar g_{rm}` and :math:`N` together, and the bucket is divided by :math:`N` as it comes back. Every later
-  bucket is divided by :math:`N / n^{\mathrm{ref}}_r` before its SUM, once the first one is back. No extra
-  collective: the first bucket grows by 12 values.
-- fp16 and bf16 gradients, whose integers are exact only to 2048 and 256: the counts are summed in float64 by
-  one small asynchronous all-reduce launched before the syncing backward, and every bucket is divided by
-  :math:`N / n^{\mathrm{ref}}_r` before its SUM. The pre-division keeps fp16 buckets in range, exactly as
-  DDP's own ``allreduce_hook`` divides by the world size first.
+- fp32 and fp64 gradients: the counts ride at the end of the first bucket, in the copy riding needs anyway,
+  and every bucket is SUM-reduced at once and divided by :math:`N` as it comes back (the later ones once the
+  first is back). The losses are item sums, :math:`c_r = 1`, unless fp16 computes the backward (``16-mixed``),
+  where :math:`c_r = n^{\mathrm{ref}}_r`, the rank's first positive count of the window, keeps them mean-sized
+  and each bucket is multiplied back by it before the SUM. No extra collective: the first bucket grows by 12
+  values.
+- fp16 and bf16 gradients, whose integers are exact only to 2048 and 256: :math:`c_r = n^{\mathrm{ref}}_r`,
+  the counts are summed in float64 by one small asynchronous all-reduce launched before the syncing backward,
+  and every bucket is divided by :math:`N / n^{\mathrm{ref}}_r` before its SUM. The pre-division keeps fp16
+  buckets in range, exactly as DDP's own ``allreduce_hook`` divides by the world size first.
 
 Worked trace: ``w = 10``, per-item loss :math:`\tfrac12 (w - y)^2`; rank 0 holds targets ``[9, 9]``
 (``n = 2``, mean gradient 1), rank 1 holds ``[7] * 6`` (``n = 6``, mean gradient 3).
@@ -98,7 +98,8 @@ class WeightedReduceState:
 
         Args:
             local: this rank's count vector (see ``_weights.WindowCount.vector``).
-            reference: this rank's first positive count of the window (0 if none).
+            reference: what this rank's losses were scaled relative to: its first positive count of the window
+                (0 if none), or 1 when they are item sums.
             device: where the gradients live.
             loss_sum: ``Σ_m n_m · loss_m`` of this rank's window, a device tensor, summed into the last slot.
         """
@@ -126,12 +127,15 @@ class WeightedReduceState:
         return summed
 
     def divisor(self) -> torch.Tensor:
-        """``N / reference`` as a 0-dim float64 tensor on the gradients' device (computed once per window)."""
+        """What a bucket is divided by before its SUM when the counts do not ride: ``N / reference``.
+
+        A 0-dim float64 tensor on the gradients' device, computed once per window.
+        """
         if self._divisor is None:
             self._divisor = divisor(self._wait()[ITEMS], self._reference)
         return self._divisor
 
-    def send_with_counts(self, buffer: torch.Tensor) -> Future[torch.Tensor]:
+    def send_first(self, buffer: torch.Tensor) -> Future[torch.Tensor]:
         """SUM-reduces the first bucket with the window's counts riding at its end; divides it by ``N`` on return."""
         if self._local is None:
             raise _no_window()
@@ -148,11 +152,29 @@ class WeightedReduceState:
         def unpack(future: Future[list[torch.Tensor]]) -> torch.Tensor:
             summed = future.value()[0]
             self._summed = unride(summed[size:])
-            return torch.div(summed[:size], divisor(self._summed[ITEMS], 1.0), out=buffer)
+            self._divisor = divisor(self._summed[ITEMS], 1.0)
+            return torch.div(summed[:size], self._divisor, out=buffer)
 
         work = dist.all_reduce(sent, group=self.process_group, async_op=True)
         self._pending = work.get_future().then(unpack)
         return self._pending
+
+    def send_next(self, buffer: torch.Tensor) -> Future[torch.Tensor]:
+        """SUM-reduces a later bucket at once; divides it by ``N`` when both it and the first bucket are back."""
+        first = self._pending
+        if first is None:
+            raise _no_window()
+        if self._reference not in (0.0, 1.0):
+            buffer.mul_(self._reference)
+
+        def divide(future: Future[list[torch.Tensor]]) -> torch.Tensor:
+            first.wait()  # the first bucket's counts: started earlier, done by now or soon (never a deadlock)
+            assert self._divisor is not None
+            return future.value()[0].div_(self._divisor)
+
+        work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
+        future: Future[list[torch.Tensor]] = work.get_future()
+        return future.then(divide)
 
     def _to_device(self, values: list[float]) -> torch.Tensor:
         vector = torch.tensor(values, dtype=torch.float64)
@@ -190,8 +212,8 @@ def weighted_allreduce_hook(state: WeightedReduceState, bucket: GradBucket) -> F
         >>> # ddp_model.register_comm_hook(WeightedReduceState(rides=True), weighted_allreduce_hook)
     """
     buffer = bucket.buffer()
-    if state.rides and bucket.index() == 0:
-        return state.send_with_counts(buffer)
+    if state.rides:
+        return state.send_first(buffer) if bucket.index() == 0 else state.send_next(buffer)
     buffer.div_(state.divisor())
     work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
     future: Future[list[torch.Tensor]] = work.get_future()

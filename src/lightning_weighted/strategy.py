@@ -95,6 +95,7 @@ class WeightedDDPStrategy(DDPStrategy):
         self._participation = Participation(participation)
         self._loading = ""
         self._hook_state = WeightedReduceState()
+        self._item_sums = False
         self._window = WindowCount()
         self._factor = 0.0
         self._loss_sum: Tensor | None = None
@@ -171,6 +172,10 @@ class WeightedDDPStrategy(DDPStrategy):
         assert isinstance(self.model, DistributedDataParallel)
         dtypes = [param.dtype for param in self.model.parameters() if param.requires_grad]
         self._hook_state.rides = WeightedReduceState.can_ride(dtypes, self.world_size)
+        # Riding counts let every bucket divide after its SUM, so losses may be item sums, unless fp16 computes
+        # the backward: there they stay mean-sized (see `lightning_weighted.hook`).
+        self._item_sums = self._hook_state.rides and not _fp16_backward(self.precision_plugin)
+        self._window = self._new_window()
         self.model.register_comm_hook(self._hook_state, weighted_allreduce_hook)
 
     @override
@@ -282,6 +287,9 @@ class WeightedDDPStrategy(DDPStrategy):
             vars(module).pop("on_train_batch_start", None)
         super().teardown()
 
+    def _new_window(self) -> WindowCount:
+        return WindowCount(reference=1.0) if self._item_sums else WindowCount()
+
     def _reject(self, problem: CountProblem, value: float = float("nan")) -> None:
         self._window.reject(problem, value)
         self._factor = 0.0
@@ -290,7 +298,7 @@ class WeightedDDPStrategy(DDPStrategy):
         """Reads the window's global count (one host read per optimizer step) and acts on it on every rank."""
         window = decode(self._hook_state.counts())
         local_items = self._window.items
-        self._window, self._loss_sum = WindowCount(), None
+        self._window, self._loss_sum = self._new_window(), None
         if window.error is not None:
             raise window.error
         assert self.lightning_module is not None
@@ -330,6 +338,12 @@ class WeightedDDPStrategy(DDPStrategy):
             step(scheduler, metric)
 
         return lr_scheduler_step
+
+
+def _fp16_backward(plugin: object) -> bool:
+    """Whether Lightning's precision computes in fp16 (``16-mixed``, ``16-true``, Transformer Engine fp16)."""
+    precision = str(getattr(plugin, "precision", ""))
+    return "16" in precision and "bf16" not in precision
 
 
 def _zero_loss(loss: Tensor | None, module: Module) -> Tensor:

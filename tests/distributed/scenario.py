@@ -64,6 +64,8 @@ class Config:
     compile: bool = False  # torch.compile the model (aot_eager: the DDP graph splitting without a C++ build)
     join: bool = False  # enter DistributedDataParallel.join() around training
     python_reducer: bool = False  # torch._dynamo.config.optimize_ddp = "python_reducer"
+    bucket_cap_mb: float | None = None  # DDP's bucket size: a tiny one puts every parameter in its own bucket
+    fp16_backward: bool = False  # take the strategy's fp16 path (mean-sized losses; Lightning has no CPU fp16)
 
 
 def make_model(seed: int) -> nn.Module:

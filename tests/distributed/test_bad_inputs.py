@@ -31,8 +31,9 @@ def test_the_global_count_is_exact_at_any_scale_and_precision(tmp_path, count, p
 
 def test_large_fp16_counts_keep_gradients_finite_and_on_the_reference(tmp_path):
     # every microbatch weighs 40000 items: the losses stay means, the hook pre-divides; nothing overflows fp16
-    config = Config(strategy="ddp_weighted_fork", mode="examples", count_override=40000.0, precision="16-true",
-                    batches=4, lr=0.05)
+    config = Config(
+        strategy="ddp_weighted_fork", mode="examples", count_override=40000.0, precision="16-true", batches=4, lr=0.05
+    )
     result = fit(config, tmp_path)
     # with equal counts everywhere the objective is the mean of microbatch means
     equal = Config(strategy="ddp_weighted_fork", mode="examples", batches=4, lr=0.05, count_override=1.0)
@@ -71,4 +72,3 @@ def test_the_strategy_name_before_the_package_is_imported_is_lightnings_unknown_
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode != 0
     assert "You selected an invalid strategy name: `strategy='ddp_weighted'`" in done.stderr, done.stderr[-2000:]
-

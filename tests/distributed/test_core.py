@@ -76,6 +76,36 @@ def test_the_hook_is_registered_on_cpu_and_its_collectives_per_optimizer_step_ar
 
 
 @pytest.mark.parametrize(
+    ("precision", "fp16_backward", "rtol"),
+    [("32-true", False, 1e-5), ("64-true", False, 1e-10), ("bf16-mixed", False, 3e-2), ("32-true", True, 1e-5)],
+)
+def test_counts_riding_in_the_first_of_several_buckets_reach_every_bucket(tmp_path, precision, fp16_backward, rtol):
+    # one bucket per parameter once DDP has rebuilt them (from the second window): the later buckets are summed
+    # at once and divided when the first is back (fp16 backward: mean-sized losses, multiplied back before the SUM)
+    config = Config(
+        strategy="ddp_weighted_fork",
+        accumulate=2,
+        precision=precision,
+        bucket_cap_mb=1e-6,
+        count_collectives=True,
+        fp16_backward=fp16_backward,
+    )
+    result = fit(config, tmp_path)
+    expected = reference(config)
+    assert max_relative_error(result[0]["params"], expected["params"]) < rtol
+    assert [s["norm"] for s in result[0]["steps"]] == pytest.approx(expected["norms"], rel=max(rtol, 1e-6))
+    dtype = "torch.float64" if precision == "64-true" else "torch.float32"
+    ours = [c for c in result[0]["collectives"] if c[0] == "all_reduce"]
+    assert {c[1] for c in ours} == {dtype}
+    sizes = [c[2] for c in ours]
+    assert sizes[0] == 21 + 12  # the first window: DDP's one initial bucket, counts riding at its end
+    windows = [sizes[k : k + 4] for k in range(1, len(sizes), 4)]  # then 4 buckets (ready order) per window
+    assert len(windows) == len(result[0]["steps"]) - 1
+    for window in windows:
+        assert sorted([window[0] - 12, *window[1:]]) == [1, 4, 4, 12]  # the counts ride in the first only
+
+
+@pytest.mark.parametrize(
     ("precision", "rtol"),
     [("64-true", 1e-10), ("32-true", 1e-5), ("bf16-mixed", 3e-2), ("16-mixed", 3e-2), ("bf16-true", 5e-2)],
 )

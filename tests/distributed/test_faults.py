@@ -21,10 +21,21 @@ TIMES: dict[str, float] = {}
 
 
 def _inject(tmp_path, kind: str, batch_idx: int = 2, *extra: float, accumulate: int = 3):
-    config = Config(strategy="ddp_weighted", accumulate=accumulate, batches=6, pg_timeout=PG_TIMEOUT,
-                    fault=[kind, 1, batch_idx, *extra])
-    command = [sys.executable, str(HERE / "worker.py"), "--config", json.dumps(vars(config)),
-               "--out", str(tmp_path / "out")]
+    config = Config(
+        strategy="ddp_weighted",
+        accumulate=accumulate,
+        batches=6,
+        pg_timeout=PG_TIMEOUT,
+        fault=[kind, 1, batch_idx, *extra],
+    )
+    command = [
+        sys.executable,
+        str(HERE / "worker.py"),
+        "--config",
+        json.dumps(vars(config)),
+        "--out",
+        str(tmp_path / "out"),
+    ]
     started = time.time()
     done = run(command, timeout=120, check_leftovers=True)
     struck = re.search(r"FAULT \S+ (\d+\.\d+)", done.stdout)
@@ -90,6 +101,8 @@ def test_time_to_failure_report(capsys):
         pytest.skip("run with the fault tests above")
     with capsys.disabled():
         ordered = sorted(TIMES.values())
-        print(f"\ntime to failure over {len(ordered)} faults: median {ordered[len(ordered) // 2]:.1f}s,"
-              f" max {ordered[-1]:.1f}s (bound {T:.0f}s): " + ", ".join(f"{k} {v:.1f}s" for k, v in TIMES.items()))
+        print(
+            f"\ntime to failure over {len(ordered)} faults: median {ordered[len(ordered) // 2]:.1f}s,"
+            f" max {ordered[-1]:.1f}s (bound {T:.0f}s): " + ", ".join(f"{k} {v:.1f}s" for k, v in TIMES.items())
+        )
     assert max(ordered) <= T

@@ -50,7 +50,8 @@ def test_resuming_mid_window_restarts_the_window_and_counts_only_the_items_seen_
 def test_resuming_on_one_rank_keeps_the_objective_of_two(tmp_path):
     fit(dataclasses.replace(BASE, epochs=1, checkpoint=True), tmp_path / "a")
     # one process holding, as microbatch k, both ranks' microbatch k: the same items in every window
-    single = dataclasses.replace(BASE, world_size=1, merged_from=2,
-                                 resume=_checkpoint(tmp_path / "a", "epoch=0-step=3.ckpt"))
+    single = dataclasses.replace(
+        BASE, world_size=1, merged_from=2, resume=_checkpoint(tmp_path / "a", "epoch=0-step=3.ckpt")
+    )
     resumed = fit(single, tmp_path / "b")
     assert max_relative_error(resumed[0]["params"], reference(BASE)["params"]) < 1e-10

@@ -116,9 +116,13 @@ def make_strategy(config: Config) -> Any:
         kwargs["static_graph"] = True
     if config.find_unused:
         kwargs["find_unused_parameters"] = True
+    if config.bucket_cap_mb is not None:
+        kwargs["bucket_cap_mb"] = config.bucket_cap_mb
     if weighted_name(config) and config.participation != "pad":
         kwargs["participation"] = config.participation
     weighted = weighted_name(config)
+    if config.fp16_backward:  # what `16-mixed` selects on CUDA; on CPU Lightning turns it into bf16-mixed
+        lightning_weighted.strategy._fp16_backward = lambda plugin: True  # type: ignore[attr-defined]
     start_method = config.strategy.removeprefix("ddp_weighted" if weighted else "ddp").lstrip("_") or "popen"
     cls = lightning_weighted.WeightedDDPStrategy if weighted else DDPStrategy
     return cls(start_method=start_method, **kwargs)
@@ -126,7 +130,6 @@ def make_strategy(config: Config) -> Any:
 
 def make_counter(config: Config) -> Callback:
     if config.counter == "bad":
-
         calls = []
 
         def count_fn(batch: Any) -> Any:
