@@ -122,7 +122,11 @@ class PythonHookStep(PlainDDPStep):
 class _FixedDivisor(WeightedReduceState):
     """The weighted hook's state with a divisor known in advance: no count collective, no wait."""
 
-    __slots__ = ("fixed",)
+    __slots__ = ("fixed", "sent")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: torch.Tensor | None = None
 
     def divisor(self) -> torch.Tensor:
         return self.fixed
@@ -138,6 +142,40 @@ class HookOnlyStep(PlainDDPStep):
         state = _FixedDivisor()
         state.fixed = torch.tensor(float(self.world_size), dtype=torch.float64)
         self.ddp.register_comm_hook(state, weighted_allreduce_hook)
+
+
+def first_copy_hook(state: _FixedDivisor, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The riding hook's data movement without its counts: the first bucket goes out as a copy 12 values longer
+    (into a kept buffer) and every bucket is divided by a constant when its SUM comes back."""
+    buffer = bucket.buffer()
+    size = buffer.numel()
+    sent = buffer
+    if bucket.index() == 0:
+        if state.sent is None or state.sent.numel() != size + 12:
+            state.sent = torch.empty(size + 12, dtype=buffer.dtype)
+        sent = state.sent
+        torch.mul(buffer, 1.0, out=sent[:size])
+    work = dist.all_reduce(sent, group=state.process_group, async_op=True)
+    return work.get_future().then(lambda f: torch.div(f.value()[0][:size], state.fixed, out=buffer))
+
+
+first_copy_hook.__annotations__ = {
+    "state": _FixedDivisor,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+
+class FirstCopyStep(PlainDDPStep):
+    """Plain DDP through :func:`first_copy_hook`: what riding costs before any count is read."""
+
+    name = "first_copy"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        state = _FixedDivisor()
+        state.fixed = torch.tensor(float(self.world_size), dtype=torch.float64)
+        self.ddp.register_comm_hook(state, first_copy_hook)
 
 
 class SeparateCountStep(WeightedDDPStep):
@@ -158,6 +196,7 @@ VARIANTS: dict[str, type[RawStep]] = {
         PreCountStep,
         PythonHookStep,
         HookOnlyStep,
+        FirstCopyStep,
         SeparateCountStep,
     )
 }

@@ -17,6 +17,7 @@ TITLES = {
     "pre_count": "pre-count",
     "py_allreduce_hook": "torch's Python allreduce_hook",
     "hook_no_count": "weighted hook, constant divisor",
+    "first_copy": "+ first bucket copied 12 longer, divided on return",
     "weighted_separate_count": "ddp_weighted, counts in a separate all-reduce",
 }
 
@@ -338,7 +339,9 @@ def write_report(data: dict[str, Any], out: Path) -> None:
         "",
         "Each column adds one piece of the mechanism to plain DDP, all interleaved in the same rounds: torch's "
         "own Python `allreduce_hook` (the price of any Python comm hook against DDP's C++ reducer), ddp_weighted's "
-        "hook dividing by a constant (no count at all), ddp_weighted with its counts in a separate asynchronous "
+        "hook dividing by a constant (no count at all), the riding hook's data movement without counts (the first "
+        "bucket copied into a buffer 12 values longer, every bucket divided on return), ddp_weighted with its "
+        "counts in a separate asynchronous "
         "float64 all-reduce (its bf16/fp16 path, forced here on fp32 gradients), and ddp_weighted as shipped, "
         "the counts riding at the end of the first fp32 bucket (plus per-microbatch count reads and the "
         "end-of-window host read of N in both).",

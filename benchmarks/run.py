@@ -37,6 +37,7 @@ ABLATION_VARIANTS = [
     "ddp_control",
     "py_allreduce_hook",
     "hook_no_count",
+    "first_copy",
     "weighted_separate_count",
     "ddp_weighted",
 ]

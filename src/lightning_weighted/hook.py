@@ -15,7 +15,7 @@ Each rank scales its microbatch losses so that its accumulated gradient is
   first is back). The losses are item sums, :math:`c_r = 1`, unless fp16 computes the backward (``16-mixed``),
   where :math:`c_r = n^{\mathrm{ref}}_r`, the rank's first positive count of the window, keeps them mean-sized
   and each bucket is multiplied back by it before the SUM. No extra collective: the first bucket grows by 12
-  values.
+  values (beyond ``WeightedReduceState.ride_limit_bytes`` the counts take their own all-reduce instead).
 - fp16 and bf16 gradients, whose integers are exact only to 2048 and 256: :math:`c_r = n^{\mathrm{ref}}_r`,
   the counts are summed in float64 by one small asynchronous all-reduce launched before the syncing backward,
   and every bucket is divided by :math:`N / n^{\mathrm{ref}}_r` before its SUM. The pre-division keeps fp16
@@ -51,7 +51,16 @@ class WeightedReduceState:
         process_group: the group gradients are reduced over; ``None`` is the default (world) group.
         rides: whether the counts ride in the first gradient bucket (fp32/fp64 gradients, at most
             65793 ranks; see :meth:`can_ride`) instead of a separate float64 all-reduce. The same on every rank.
+
+    Attributes:
+        ride_limit_bytes: the largest first bucket the counts ride in (64 MiB). Riding copies that bucket
+            once per window into a buffer kept for the next; beyond the limit (a language model's output
+            layer, say) the counts take their own float64 all-reduce, launched just before the bucket's, and
+            every bucket is still divided on return. Copying 64 MiB takes about as long on a GPU as one small
+            NCCL all-reduce.
     """
+
+    ride_limit_bytes = 64 * 2**20
 
     __slots__ = (
         "_device",
@@ -60,6 +69,8 @@ class WeightedReduceState:
         "_loss_sum",
         "_pending",
         "_reference",
+        "_rode",
+        "_sent",
         "_summed",
         "process_group",
         "rides",
@@ -75,6 +86,8 @@ class WeightedReduceState:
         self._pending: Future[Any] | None = None  # completes when `_summed` holds the summed count vector
         self._summed: torch.Tensor | None = None
         self._divisor: torch.Tensor | None = None
+        self._rode = False  # whether this window's counts rode in the first bucket
+        self._sent: torch.Tensor | None = None  # the first bucket and its counts, kept: a fresh one page-faults
 
     def __getstate__(self) -> dict[str, Any]:
         # Like `PowerSGDState`: a process group, a pending collective and device tensors do not pickle.
@@ -107,6 +120,7 @@ class WeightedReduceState:
             raise ValueError(f"expected a count vector of length {WIDTH}, got {list(local)}")
         self._local, self._reference, self._device, self._loss_sum = list(local), reference, device, loss_sum
         self._pending = self._summed = self._divisor = None
+        self._rode = False
         if self.rides:
             return
         self._summed = self._to_device(self._local)
@@ -119,7 +133,7 @@ class WeightedReduceState:
         rank alike, since all see the flag) brings which rank and which value.
         """
         summed = self._wait().tolist()
-        if self.rides and summed[INVALID] > 0:
+        if self._rode and summed[INVALID] > 0:
             assert self._local is not None
             details = self._to_device(self._local)
             dist.all_reduce(details, group=self.process_group)
@@ -144,8 +158,24 @@ class WeightedReduceState:
                 f"counts ride only in float32/float64 gradient buckets, but the first bucket holds {buffer.dtype}:"
                 " set `WeightedReduceState.rides` from `WeightedReduceState.can_ride` over every gradient dtype"
             )
+        if buffer.numel() * buffer.element_size() > self.ride_limit_bytes:
+            counts = self._to_device(self._local)
+
+            def unpack_counts(future: Future[list[torch.Tensor]]) -> None:
+                self._summed = future.value()[0]
+                self._divisor = divisor(self._summed[ITEMS], 1.0)
+
+            work = dist.all_reduce(counts, group=self.process_group, async_op=True)
+            self._pending = work.get_future().then(unpack_counts)
+            return self.send_next(buffer)
         size = buffer.numel()
-        sent = torch.empty(size + RIDE_WIDTH, dtype=buffer.dtype, device=buffer.device)
+        sent = self._sent
+        if (
+            sent is None
+            or sent.numel() != size + RIDE_WIDTH
+            or (sent.dtype, sent.device) != (buffer.dtype, buffer.device)
+        ):
+            sent = self._sent = torch.empty(size + RIDE_WIDTH, dtype=buffer.dtype, device=buffer.device)
         torch.mul(buffer, self._reference or 1.0, out=sent[:size])
         sent[size:] = self._to_device(ride(self._local))
 
@@ -157,10 +187,11 @@ class WeightedReduceState:
 
         work = dist.all_reduce(sent, group=self.process_group, async_op=True)
         self._pending = work.get_future().then(unpack)
+        self._rode = True
         return self._pending
 
     def send_next(self, buffer: torch.Tensor) -> Future[torch.Tensor]:
-        """SUM-reduces a later bucket at once; divides it by ``N`` when both it and the first bucket are back."""
+        """SUM-reduces a bucket at once; divides it by ``N`` when both it and the window's counts are back."""
         first = self._pending
         if first is None:
             raise _no_window()
@@ -168,7 +199,7 @@ class WeightedReduceState:
             buffer.mul_(self._reference)
 
         def divide(future: Future[list[torch.Tensor]]) -> torch.Tensor:
-            first.wait()  # the first bucket's counts: started earlier, done by now or soon (never a deadlock)
+            first.wait()  # the counts: launched before this bucket, so done by now or soon (never a deadlock)
             assert self._divisor is not None
             return future.value()[0].div_(self._divisor)
 

@@ -65,6 +65,7 @@ class Config:
     join: bool = False  # enter DistributedDataParallel.join() around training
     python_reducer: bool = False  # torch._dynamo.config.optimize_ddp = "python_reducer"
     bucket_cap_mb: float | None = None  # DDP's bucket size: a tiny one puts every parameter in its own bucket
+    ride_limit_bytes: int | None = None  # WeightedReduceState.ride_limit_bytes (0: the counts never ride)
     fp16_backward: bool = False  # take the strategy's fp16 path (mean-sized losses; Lightning has no CPU fp16)
 
 

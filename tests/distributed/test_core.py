@@ -105,6 +105,21 @@ def test_counts_riding_in_the_first_of_several_buckets_reach_every_bucket(tmp_pa
         assert sorted([window[0] - 12, *window[1:]]) == [1, 4, 4, 12]  # the counts ride in the first only
 
 
+def test_a_first_bucket_beyond_the_ride_limit_sends_the_counts_just_before_it(tmp_path):
+    config = Config(
+        strategy="ddp_weighted_fork", accumulate=2, bucket_cap_mb=1e-6, count_collectives=True, ride_limit_bytes=0
+    )
+    result = fit(config, tmp_path)
+    assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
+    ours = [c for c in result[0]["collectives"] if c[0] == "all_reduce"]
+    count = ("all_reduce", "torch.float64", 6)
+    assert ours[:2] == [count, ("all_reduce", "torch.float32", 21)]  # DDP's one initial bucket
+    windows = [ours[k : k + 5] for k in range(2, len(ours), 5)]
+    assert len(windows) == len(result[0]["steps"]) - 1
+    for window in windows:  # the counts, then 4 buckets (ready order) with nothing riding
+        assert window[0] == count and sorted(c[2] for c in window[1:]) == [1, 4, 4, 12]
+
+
 @pytest.mark.parametrize(
     ("precision", "rtol"),
     [("64-true", 1e-10), ("32-true", 1e-5), ("bf16-mixed", 3e-2), ("16-mixed", 3e-2), ("bf16-true", 5e-2)],
@@ -162,13 +177,18 @@ def test_unsupported_combinations_are_refused_at_setup_on_every_rank(tmp_path, c
         (float("nan"), "ValueError", "on rank 1, a microbatch's count is not finite (nan)", "32-true"),
         ("many", "TypeError", "on rank 1, a microbatch's count is not a number", "32-true"),
         (1e20, "ValueError", "on rank 1, the window's count reaches 2**53 (1e+20)", "32-true"),
-        # bf16 gradients: the details travel in the float64 count vector itself
+        # bf16 gradients, or a first bucket beyond the ride limit: the details travel in the float64 count vector
         (-3, "ValueError", "on rank 1, a microbatch's count is negative (-3.0)", "bf16-true"),
+        (-3, "ValueError", "on rank 1, a microbatch's count is negative (-3.0)", "ride limit 0"),
     ],
 )
 def test_a_bad_count_on_one_rank_raises_the_same_error_on_every_rank_before_the_step(
     tmp_path, value, error, message, precision
 ):
-    config = Config(strategy="ddp_weighted", accumulate=2, bad_count=[1, 3, value], precision=precision)
+    limit = 0 if precision == "ride limit 0" else None
+    precision = "32-true" if limit == 0 else precision
+    config = Config(
+        strategy="ddp_weighted", accumulate=2, bad_count=[1, 3, value], precision=precision, ride_limit_bytes=limit
+    )
     done = fit(config, tmp_path, timeout=90, expect_failure=True)
     assert done.stdout.count(f"{error}: {message}") == 2, done.stdout[-4000:]  # raised on both ranks

@@ -121,6 +121,8 @@ def make_strategy(config: Config) -> Any:
     if weighted_name(config) and config.participation != "pad":
         kwargs["participation"] = config.participation
     weighted = weighted_name(config)
+    if config.ride_limit_bytes is not None:
+        lightning_weighted.WeightedReduceState.ride_limit_bytes = config.ride_limit_bytes
     if config.fp16_backward:  # what `16-mixed` selects on CUDA; on CPU Lightning turns it into bf16-mixed
         lightning_weighted.strategy._fp16_backward = lambda plugin: True  # type: ignore[attr-defined]
     start_method = config.strategy.removeprefix("ddp_weighted" if weighted else "ddp").lstrip("_") or "popen"
