@@ -193,17 +193,25 @@ def ride(vector: Sequence[float]) -> list[float]:
 def unride(summed: torch.Tensor) -> torch.Tensor:
     """The summed riding counts (``RIDE_WIDTH`` values) as the float64 count vector, on their device.
 
-    CODE and VALUE are 0: they do not ride. Example::
+    One product with a fixed matrix (it runs in the reduction's completion callback, where every operation
+    counts); float64 keeps the digits' place values and their sums exact below 2**53. CODE and VALUE are 0:
+    they do not ride. Example::
 
         >>> unride(torch.tensor(ride([1000.5, 0, 0, 0, 1, 7]), dtype=torch.float32) * 2).tolist()
         [2001.0, 0.0, 0.0, 0.0, 2.0, 14.0]
     """
-    summed = summed.double()
-    places = torch.pow(256.0, torch.arange(DIGITS, dtype=torch.float64, device=summed.device))
-    items = (summed[:DIGITS] * places).sum() + summed[DIGITS]
-    zero = torch.zeros((), dtype=torch.float64, device=summed.device)
-    invalid, more, loss = summed[DIGITS + 1], summed[DIGITS + 2], summed[DIGITS + 3]
-    return torch.stack([items, invalid, zero, zero, more, loss])
+    decoder = _DECODERS.get(summed.device)
+    if decoder is None:
+        decoder = torch.zeros(RIDE_WIDTH, WIDTH, dtype=torch.float64)
+        for place in range(DIGITS):
+            decoder[place, ITEMS] = 256.0**place
+        decoder[DIGITS, ITEMS] = decoder[DIGITS + 1, INVALID] = 1.0
+        decoder[DIGITS + 2, MORE] = decoder[DIGITS + 3, LOSS] = 1.0
+        decoder = _DECODERS[summed.device] = decoder.to(summed.device)
+    return summed.double() @ decoder
+
+
+_DECODERS: dict[torch.device, torch.Tensor] = {}
 
 
 def divisor(items: torch.Tensor, reference: float) -> torch.Tensor:
@@ -212,4 +220,5 @@ def divisor(items: torch.Tensor, reference: float) -> torch.Tensor:
     ``items`` is the global count ``N`` (a 0-dim tensor, kept on the device); a window with ``N = 0`` holds
     only zero gradients and divides by 1 so that nothing turns into NaN.
     """
-    return torch.where(items > 0, items, torch.ones_like(items)) / (reference or 1.0)
+    safe = torch.where(items > 0, items, 1.0)
+    return safe if reference in (0.0, 1.0) else safe / reference
