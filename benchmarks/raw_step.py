@@ -124,8 +124,9 @@ class _FixedDivisor(WeightedReduceState):
 
     __slots__ = ("fixed", "sent")
 
-    def __init__(self) -> None:
+    def __init__(self, world_size: int) -> None:
         super().__init__()
+        self.fixed = torch.tensor(float(world_size), dtype=torch.float64)
         self.sent: torch.Tensor | None = None
 
     def divisor(self) -> torch.Tensor:
@@ -136,12 +137,11 @@ class HookOnlyStep(PlainDDPStep):
     """ddp_weighted's hook dividing by a constant (the world size): the hook without its count collective."""
 
     name = "hook_no_count"
+    hook: Any = weighted_allreduce_hook
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        state = _FixedDivisor()
-        state.fixed = torch.tensor(float(self.world_size), dtype=torch.float64)
-        self.ddp.register_comm_hook(state, weighted_allreduce_hook)
+        self.ddp.register_comm_hook(_FixedDivisor(self.world_size), type(self).hook)
 
 
 def first_copy_hook(state: _FixedDivisor, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -166,16 +166,11 @@ first_copy_hook.__annotations__ = {
 }
 
 
-class FirstCopyStep(PlainDDPStep):
+class FirstCopyStep(HookOnlyStep):
     """Plain DDP through :func:`first_copy_hook`: what riding costs before any count is read."""
 
     name = "first_copy"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        state = _FixedDivisor()
-        state.fixed = torch.tensor(float(self.world_size), dtype=torch.float64)
-        self.ddp.register_comm_hook(state, first_copy_hook)
+    hook = first_copy_hook
 
 
 class SeparateCountStep(WeightedDDPStep):

@@ -26,6 +26,7 @@ import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -143,60 +144,32 @@ def aggregate_times(repeats: list[dict[str, list[float]]]) -> dict[str, Any]:
     }
 
 
+def pool(repeats: Sequence[Sequence[dict[str, Any]]], keep: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """One entry per grid point: the times pooled over the repeats, the first repeat's correctness columns and
+    its ``keep`` fields (deterministic, so the same in every repeat)."""
+    pooled = []
+    for entries in zip(*repeats, strict=True):
+        first = entries[0]
+        pooled.append(
+            {
+                "point": first["point"],
+                **{key: first[key] for key in keep},
+                **aggregate_times([entry["times"] for entry in entries]),
+                "deviation": first.get("deviation"),
+                "gradient_deviation": first.get("gradient_deviation"),
+            }
+        )
+    return pooled
+
+
 def aggregate(results: dict[str, Any]) -> dict[str, Any]:
-    raw_points = []
-    for k, first in enumerate(results["raw"][0]["points"] if results["raw"] else []):
-        repeats = [r["points"][k] for r in results["raw"]]
-        raw_points.append(
-            {
-                "point": first["point"],
-                **aggregate_times([r["times"] for r in repeats]),
-                "deviation": first.get("deviation"),
-                "gradient_deviation": first.get("gradient_deviation"),
-                "collectives": first["collectives"],
-                "buckets": first["buckets"],
-            }
-        )
-    sweep = []
-    for k, first in enumerate(results["raw"][0]["sweep"] if results["raw"] else []):
-        repeats = [r["sweep"][k] for r in results["raw"]]
-        sweep.append(
-            {
-                "point": first["point"],
-                "imbalance": first["imbalance"],
-                "epoch_steps": first["epoch_steps"],
-                **aggregate_times([r["times"] for r in repeats]),
-                "deviation": first.get("deviation"),
-                "gradient_deviation": first.get("gradient_deviation"),
-            }
-        )
+    raw_points = pool([r["points"] for r in results["raw"]], keep=("collectives", "buckets"))
+    sweep = pool([r["sweep"] for r in results["raw"]], keep=("imbalance", "epoch_steps"))
     base = {name: s["ms"][name] for s in sweep if s["imbalance"] == 0 for name in s["ms"]}
     for s in sweep:
         s["vs_largest_shard"] = {name: s["ms"][name] / base[name] for name in s["ms"]} if base else {}
-    ablation = []
-    for k, first in enumerate(results["raw"][0]["ablation"] if results["raw"] else []):
-        repeats = [r["ablation"][k] for r in results["raw"]]
-        ablation.append(
-            {
-                "point": first["point"],
-                **aggregate_times([r["times"] for r in repeats]),
-                "deviation": first.get("deviation"),
-                "gradient_deviation": first.get("gradient_deviation"),
-            }
-        )
-    trainer = []
-    for k, first in enumerate(results["trainer"][0] if results["trainer"] else []):
-        repeats = [r[k] for r in results["trainer"]]
-        trainer.append(
-            {
-                "point": first["point"],
-                **aggregate_times([r["times"] for r in repeats]),
-                "deviation": first.get("deviation"),
-                "gradient_deviation": first.get("gradient_deviation"),
-                "collectives": first["collectives"],
-                "buckets": first["buckets"],
-            }
-        )
+    ablation = pool([r["ablation"] for r in results["raw"]])
+    trainer = pool(results["trainer"], keep=("collectives", "buckets"))
     return {
         "raw": raw_points,
         "sweep": sweep,

@@ -162,8 +162,7 @@ class WeightedReduceState:
             counts = self._to_device(self._local)
 
             def unpack_counts(future: Future[list[torch.Tensor]]) -> None:
-                self._summed = future.value()[0]
-                self._divisor = divisor(self._summed[ITEMS], 1.0)
+                self._receive(future.value()[0])
 
             work = dist.all_reduce(counts, group=self.process_group, async_op=True)
             self._pending = work.get_future().then(unpack_counts)
@@ -181,9 +180,7 @@ class WeightedReduceState:
 
         def unpack(future: Future[list[torch.Tensor]]) -> torch.Tensor:
             summed = future.value()[0]
-            self._summed = unride(summed[size:])
-            self._divisor = divisor(self._summed[ITEMS], 1.0)
-            return torch.div(summed[:size], self._divisor, out=buffer)
+            return torch.div(summed[:size], self._receive(unride(summed[size:])), out=buffer)
 
         work = dist.all_reduce(sent, group=self.process_group, async_op=True)
         self._pending = work.get_future().then(unpack)
@@ -206,6 +203,12 @@ class WeightedReduceState:
         work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
         future: Future[list[torch.Tensor]] = work.get_future()
         return future.then(divide)
+
+    def _receive(self, summed: torch.Tensor) -> torch.Tensor:
+        """Keeps the summed count vector of a riding window; returns ``N`` (1 if 0), what every bucket divides by."""
+        self._summed = summed
+        self._divisor = divisor(summed[ITEMS], 1.0)
+        return self._divisor
 
     def _to_device(self, values: list[float]) -> torch.Tensor:
         vector = torch.tensor(values, dtype=torch.float64)

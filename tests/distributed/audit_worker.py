@@ -6,11 +6,8 @@ rank 1 holds [7] * 6 (then [7, 7]).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import faulthandler
 import json
-import signal
 from datetime import timedelta
 from typing import Any
 
@@ -18,6 +15,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
+from worker import rank_arguments
 
 import lightning_weighted
 from lightning_weighted.audit import ObjectiveAudit
@@ -84,13 +82,8 @@ class Save(Callback):
 
 
 def main() -> None:
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = rank_arguments()
     config = Config(**json.loads(args.config))
-    torch.set_num_threads(1)
     cls = lightning_weighted.WeightedDDPStrategy if config.strategy == "ddp_weighted" else DDPStrategy
     audit = ObjectiveAudit(every_n_steps=config.every, on_mismatch=config.on_mismatch)  # type: ignore[arg-type]
     callbacks: list[Callback] = [Corrupt()] if config.corrupt else []

@@ -7,21 +7,18 @@ record to ``<out>.rank<r>`` and what Lightning detected about the launch to ``<o
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import json
-import signal
 import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from scenario import Config, WeightedModule
-from worker import Recorder, make_strategy
+from worker import Recorder, make_strategy, rank_arguments
 
 TIMEOUT = timedelta(seconds=30)  # process-group timeout: a dead peer fails the run, not the test's budget
 
@@ -49,16 +46,12 @@ class LaunchReport(Callback):
 
 
 def main() -> None:
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
     parser = argparse.ArgumentParser()
-    parser.add_argument("--config", required=True, help="scenario.Config as JSON")
-    parser.add_argument("--out", required=True)
     parser.add_argument("--strategy", required=True, help="a registered name, e.g. ddp_weighted or ddp")
     parser.add_argument("--instance", action="store_true", help="pass a strategy object instead of the name")
     parser.add_argument("--num-nodes", type=int, default=2)
-    args = parser.parse_args()
+    args = rank_arguments(parser)
     config = Config(**{**json.loads(args.config), "strategy": args.strategy})
-    torch.set_num_threads(1)
 
     import lightning_weighted  # noqa: F401  (what a user's script does before naming the strategy)
 

@@ -144,14 +144,20 @@ def make_counter(config: Config) -> Callback:
     return lightning_weighted.ItemCounter("tokens", key=2, mask=True)
 
 
-def main() -> None:
+def rank_arguments(parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """What every rank script does first: dump all stacks on SIGUSR1 (the harness's signal on a hang), use one
+    intra-op thread, and parse its options, ``--config`` (a JSON config) and ``--out`` among them."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    config = Config(**json.loads(args.config))
     torch.set_num_threads(1)
+    parser = parser or argparse.ArgumentParser()
+    parser.add_argument("--config", required=True, help="the config dataclass as JSON")
+    parser.add_argument("--out", required=True, help="prefix of the per-rank output files")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = rank_arguments()
+    config = Config(**json.loads(args.config))
     if config.python_reducer:
         torch._dynamo.config.optimize_ddp = "python_reducer"
     recorder = Recorder(config, args.out)
