@@ -1,7 +1,7 @@
 """The anchors' two ways of training on the global item mean, re-implemented for the benchmark (not in src/).
 
 Both give the same update as ``ddp_weighted`` (``g = (1/N) Σ_r Σ_m n_rm ḡ_rm``, see
-:mod:`lightning_weighted.hook`); they differ in what it costs.
+:mod:`lightning_weighted.window`); they differ in what it costs.
 
 Post-hoc normalisation (fairseq ``Trainer.train_step``: ``multiply_grads(world_size / sample_size)``; Megatron-LM
 ``finalize_model_grads``: all-reduce ``num_tokens`` then scale the grad buffers by ``1 / num_tokens``; torchtune

@@ -21,8 +21,8 @@ import math
 from dataclasses import dataclass, fields
 
 try:  # the count vector that ddp_weighted all-reduces (WIDTH float64) or lets ride (RIDE_WIDTH fp32 values)
-    from lightning_weighted._weights import RIDE_WIDTH as _RIDE_WIDTH
-    from lightning_weighted._weights import WIDTH as _WIDTH
+    from lightning_weighted._counts import RIDE_WIDTH as _RIDE_WIDTH
+    from lightning_weighted._counts import WIDTH as _WIDTH
 except ImportError:  # pragma: no cover - the model stands alone
     _WIDTH, _RIDE_WIDTH = 6, 12
 COUNT_BYTES = 8 * _WIDTH

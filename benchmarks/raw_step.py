@@ -43,8 +43,9 @@ from common import (
     reference_params,
 )
 
-from lightning_weighted._weights import WIDTH, WindowCount, decode, read_count
-from lightning_weighted.hook import WeightedReduceState, weighted_allreduce_hook
+from lightning_weighted._counts import WIDTH, count_of
+from lightning_weighted.reduce.ddp_hook import WeightedReduceState, weighted_allreduce_hook
+from lightning_weighted.window import LossScale, Window
 
 
 class PlainDDPStep(RawStep):
@@ -68,10 +69,9 @@ class ControlStep(PlainDDPStep):
 class WeightedDDPStep(RawStep):
     """What ``strategy="ddp_weighted"`` does, on a raw DDP module (``WeightedDDPStrategy`` in 20 lines).
 
-    Each microbatch's mean loss is scaled by ``n_m`` (fp32 gradients: the counts ride in the first bucket and
-    every bucket is divided by ``N`` after its SUM) or by ``n_m / n_ref`` (bf16: the window's float64 count
-    all-reduce starts before the syncing backward and every bucket is divided by ``N / n_ref`` before its
-    SUM); after the backward the count is read once on the host (the strategy's N = 0 and error check).
+    The window core (``lightning_weighted.window.Window``) scales each microbatch's mean loss, the strategy's
+    comm hook brings ``N`` to the buckets, and the summed counts are read once on the host after the backward
+    (the strategy's N = 0 and error check).
     """
 
     name = "ddp_weighted"
@@ -86,20 +86,16 @@ class WeightedDDPStep(RawStep):
         self.device = torch.device("cpu")
 
     def step(self, window: Iterator[Batch]) -> None:
-        count = WindowCount(reference=1.0) if self.state.rides else WindowCount()
+        current = Window(LossScale.ITEM_SUM if self.state.rides else LossScale.MEAN_SIZED)
         for micro, batch in enumerate(window):
             with self.sync_context(micro):
-                n, _ = read_count(batch[2].sum())
-                factor = count.add(n)
                 loss = local_mean(self.ddp, batch)
+                factor = current.add(count_of({"count": batch[2].sum()}, batch), loss)
                 loss = loss * factor if factor != 1 else loss
                 if micro == self.accumulate - 1:
-                    self.state.begin_window(count.vector(self.rank), count.reference, self.device)
+                    self.state.begin_window(current.payload(self.rank), current.reference, self.device)
                 loss.backward()
-        window_count = decode(self.state.counts())
-        if window_count.error is not None:
-            raise window_count.error
-        if window_count.items == 0:
+        if current.finish(self.state.counts()).items == 0:
             self.optimizer.zero_grad(set_to_none=True)
             return
         self.finish()

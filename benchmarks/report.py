@@ -21,7 +21,7 @@ TITLES = {
     "weighted_separate_count": "ddp_weighted, counts in a separate all-reduce",
 }
 
-ANALYSIS_FILE = "ANALYSIS.md"  # hand-written findings, pasted in verbatim when present
+ANALYSIS_FILE = "ANALYSIS.md"  # hand-written findings, linked from the report when present
 
 
 def ratio_cell(stats: dict[str, float]) -> str:
@@ -385,7 +385,7 @@ def write_report(data: dict[str, Any], out: Path) -> None:
         "",
     ]
     if analysis.exists():
-        sections += [analysis.read_text().strip(), ""]
+        sections += [f"What these figures mean: [{ANALYSIS_FILE}]({ANALYSIS_FILE}).", ""]
     (out / "RESULTS.md").write_text("\n".join(sections))
     write_chart(data, out / "results.png")
 

@@ -10,9 +10,8 @@ trains the same GRU language model, from the same initial weights on the same mi
   the valid-token counts of the ranks differ several-fold.
 
 Every run logs to ``<out>/<run>/metrics.csv`` (Lightning's CSVLogger) and saves its parameters after every
-optimizer step; the parent invocation then writes ``curves.csv``, ``summary.json`` and ``tiny_lm.png``.
-Each two-process run is its own invocation of this script (``--mode ddp``), because the popen launcher
-re-executes ``sys.argv`` on the other rank.
+optimizer step; the script then writes ``curves.csv``, ``summary.json`` and ``tiny_lm.png``. The three runs
+share this one invocation, so the two-process ones use the spawn launcher.
 """
 
 from __future__ import annotations
@@ -24,9 +23,6 @@ import json
 import os
 import random
 import signal
-import socket
-import subprocess
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -179,12 +175,11 @@ def train(args: argparse.Namespace, run: str) -> None:
     out = Path(args.out)
     (out / run).mkdir(parents=True, exist_ok=True)
     callbacks: list[Callback] = [ParameterSnapshots(out / run / "record.pt")]
-    torch.set_num_threads(1)  # a model this small gains nothing from intra-op threads; two ranks share the cores
     if run == "reference":
         strategy: Any = "auto"
     else:
         kind = lightning_weighted.WeightedDDPStrategy if run == "ddp_weighted" else DDPStrategy
-        strategy = kind(timeout=timedelta(seconds=args.timeout))
+        strategy = kind(start_method="spawn", timeout=timedelta(seconds=args.timeout))
         if args.audit_every:
             callbacks.append(ObjectiveAudit(every_n_steps=args.audit_every))
     trainer = Trainer(
@@ -204,22 +199,6 @@ def train(args: argparse.Namespace, run: str) -> None:
         enable_model_summary=False,
     )
     trainer.fit(TinyLM(args, run))
-
-
-def free_port() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return str(sock.getsockname()[1])
-
-
-def launch(command: list[str], env: dict[str, str]) -> None:
-    """Runs one training run; it stays in this process group, so whoever stops this script stops its ranks too.
-
-    A rank that hangs in a collective fails after the process-group timeout (``--timeout``).
-    """
-    code = subprocess.run(command, env=env, check=False).returncode
-    if code != 0:
-        raise SystemExit(f"{' '.join(command)} exited with {code}")
 
 
 def rows(path: Path, column: str) -> list[dict[str, str]]:
@@ -298,7 +277,6 @@ def report(args: argparse.Namespace, seconds: dict[str, float]) -> dict[str, Any
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/tiny_lm", help="folder for the logs, parameters and the figure")
-    parser.add_argument("--mode", default="all", choices=("all", *RUNS), help="'all' runs the three and reports")
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
     parser.add_argument("--accumulate", type=int, default=2, help="accumulate_grad_batches of the 2-rank runs")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per microbatch")
@@ -310,22 +288,18 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120, help="process-group timeout of the 2-rank runs (s)")
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` prints every thread's stack
-    if args.mode != "all":
-        train(args, args.mode)
-        return
-
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         raise SystemExit("tiny_lm.py draws its figure with matplotlib: `pip install matplotlib`") from None
-    forwarded = sys.argv[1:]
+    # A model this small gains nothing from intra-op threads, and the two ranks share the cores (the spawned
+    # ranks read the variable when torch starts).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
     seconds = {}
     for run in RUNS:
         start = time.perf_counter()
-        # Every run is a fresh invocation: the popen launcher re-executes it on rank 1.
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port()}
-        command = [sys.executable, __file__, *forwarded, "--mode", run]
-        launch(command, env)
+        train(args, run)
         seconds[run] = round(time.perf_counter() - start, 1)
     summary = report(args, seconds)
     print(json.dumps(summary, indent=2))

@@ -7,16 +7,12 @@ timings: no variant may look fast because it is wrong.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
+from launcher import ROOT, run
 
-ROOT = Path(__file__).resolve().parent.parent
 WEIGHTED = ("ddp_weighted", "post_hoc", "pre_count")
 
 
@@ -36,22 +32,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "--pg-timeout",
         "30",
     ]
-    process = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
-    try:
-        output, _ = process.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"the benchmark smoke run did not finish in 60 s\n{output[-4000:]}")
-    assert process.returncode == 0, output[-6000:]
+    done = run(command, timeout=60, env={"PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 0, done.stdout[-6000:]
     assert (out / "RESULTS.md").exists() and (out / "results.png").stat().st_size > 0
     data: dict[str, Any] = json.loads((out / "results.json").read_text())
     return data

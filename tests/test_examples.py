@@ -8,9 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent / "distributed"))
-from harness import ROOT, run
+from launcher import ROOT, run
 
 STEPS = 12
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -30,30 +30,25 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_weighted._weights import CountProblem, read_count
-from lightning_weighted.callback import ItemCounter
+from lightning_weighted._counts import FIX, Count, count_of, imbalance, split_output
+from lightning_weighted._patch import patched
+from lightning_weighted.counting import ItemCounter
 
 __all__ = [
     "AuditReport",
     "ObjectiveAudit",
     "ObjectiveMismatchError",
-    "imbalance",
     "is_replaying",
     "relative_error",
     "spread",
 ]
 
-_FIX = (
-    "Train with `strategy='ddp_weighted'` (after `import lightning_weighted`) and return"
-    " `{'loss': local_mean, 'count': n}` from `training_step`, where `n` is the number of valid items behind"
-    " `local_mean`"
-)
+_FIX = f"Train with a weighted strategy (`strategy='ddp_weighted'`, after `import lightning_weighted`). {FIX}"
 
 
 _replaying = False  # True while an audit re-runs `training_step`
@@ -124,18 +119,6 @@ def relative_error(actual: Tensor, expected: Tensor) -> float:
     if scale == 0:
         return 0.0 if difference == 0 else math.inf
     return difference / scale
-
-
-def imbalance(counts: Sequence[float]) -> float:
-    """``max_r P · n_r / N``, the largest factor by which a rank's items are over-represented; 1 if ``N = 0``.
-
-    Example::
-
-        >>> imbalance([2, 6])
-        1.5
-    """
-    total = sum(counts)
-    return len(counts) * max(counts) / total if total > 0 else 1.0
 
 
 def spread(rows: Tensor) -> float:
@@ -292,8 +275,9 @@ class ObjectiveAudit(Callback):
         replica_error = spread(rows[:, 1:5])
         norm, expected_norm = (float(value) for value in rows[0, 6:8])
         passed = objective_error <= self.rtol and replica_error <= self.rtol  # False for NaN
+        skew = imbalance(max(counts), sum(counts), len(counts))
         return AuditReport(
-            trainer.global_step, objective_error, replica_error, imbalance(counts), norm, expected_norm, counts, passed
+            trainer.global_step, objective_error, replica_error, skew, norm, expected_norm, counts, passed
         )
 
 
@@ -304,7 +288,7 @@ def _local_sum(
     total = torch.zeros(sum(param.numel() for param in params), dtype=torch.float64, device=pl_module.device)
     items, invalid = 0.0, 0.0
     takes_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
-    counter = next((c for c in trainer.callbacks if isinstance(c, ItemCounter)), None)  # type: ignore[attr-defined]
+    count = _count_rule(trainer)
     buffers = [(buffer, buffer.detach().clone()) for buffer in pl_module.buffers()]
     cuda = [pl_module.device] if pl_module.device.type == "cuda" else []
     with _replay(pl_module), torch.enable_grad():
@@ -316,31 +300,30 @@ def _local_sum(
                 with trainer.strategy.precision_plugin.train_step_context():
                     args = (microbatch.batch, microbatch.batch_idx) if takes_index else (microbatch.batch,)
                     output = pl_module.training_step(*args)
-            loss = output.get("loss") if isinstance(output, Mapping) else output
-            if not isinstance(loss, Tensor) or loss.grad_fn is None:
+            loss, item_sum, problem = split_output(output)
+            if loss is None or loss.grad_fn is None:
                 continue  # Lightning skips a `None` step; a loss without a graph fails its own backward
-            count, problem = _count_of(output, microbatch.batch, counter)
-            if problem is not None:
+            counted = count(output, microbatch.batch)
+            if problem is not None or counted.problem is not None:
                 invalid = 1.0
                 continue
-            if count == 0 or microbatch.padding:
+            if counted.value == 0 or microbatch.padding:
                 continue  # exactly zero, also when the mean of a fully masked microbatch is NaN
-            grads = torch.autograd.grad(loss, params, allow_unused=True)
-            total.add_(_flat(list(grads), params), alpha=count)
-            items += count
+            grads = torch.autograd.grad(loss.sum(), params, allow_unused=True)
+            total.add_(_flat(list(grads), params), alpha=1.0 if item_sum else counted.value)
+            items += counted.value
     with torch.no_grad():
         for buffer, saved in buffers:
             buffer.copy_(saved)
     return total, items, invalid
 
 
-def _count_of(output: Any, batch: Any, counter: ItemCounter | None) -> tuple[float, CountProblem | None]:
-    """The microbatch's item count, from the first of: ``output["count"]``, an ``ItemCounter``, the batch size."""
-    if isinstance(output, Mapping) and "count" in output:
-        return read_count(output["count"])
-    if counter is not None:
-        return read_count(counter.count_of(batch))
-    return float(extract_batch_size(batch)), None
+def _count_rule(trainer: Trainer) -> Callable[[Any, Any], Count]:
+    """The training count rule (:func:`~lightning_weighted._counts.count_of`), with the run's ``ItemCounter``."""
+    counter = next((c for c in trainer.callbacks if isinstance(c, ItemCounter)), None)  # type: ignore[attr-defined]
+    if counter is None:
+        return lambda output, batch: count_of(output, batch)
+    return lambda output, batch: count_of(output, batch, (counter.count_of(batch), counter.integer))
 
 
 def _flat(tensors: Sequence[Tensor | None], like: Sequence[Tensor]) -> Tensor:
@@ -361,19 +344,12 @@ def _replay(pl_module: LightningModule) -> Iterator[None]:
     def ignore(*args: Any, **kwargs: Any) -> None:
         return None
 
-    saved = {name: vars(pl_module).get(name) for name in ("log", "log_dict")}
-    for name in saved:
-        setattr(pl_module, name, ignore)
-    _replaying = True
-    try:
-        yield
-    finally:
-        _replaying = False
-        for name, value in saved.items():
-            if value is None:
-                delattr(pl_module, name)
-            else:
-                setattr(pl_module, name, value)
+    with patched(pl_module, log=ignore, log_dict=ignore):
+        _replaying = True
+        try:
+            yield
+        finally:
+            _replaying = False
 
 
 def _mismatch_message(report: AuditReport, rtol: float) -> str:

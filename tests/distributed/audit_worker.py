@@ -11,10 +11,10 @@ import json
 from datetime import timedelta
 from typing import Any
 
-import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
-from torch import Tensor, nn
+from torch import Tensor
+from worked_trace import WorkedTrace
 from worker import rank_arguments
 
 import lightning_weighted
@@ -25,7 +25,8 @@ WINDOWS = {0: [[9.0, 9.0], [8.0]], 1: [[7.0] * 6, [7.0, 7.0]]}  # rank -> microb
 
 @dataclasses.dataclass
 class Config:
-    strategy: str = "ddp"  # ddp | ddp_weighted (fork launcher)
+    strategy: str = "ddp"  # ddp | ddp_weighted
+    world_size: int = 2
     accumulate: int = 1
     steps: int = 1
     every: int | None = 1
@@ -36,25 +37,16 @@ class Config:
     counter: bool = False  # an ItemCounter supplies the counts: the first target of each microbatch
 
 
-class Trace(LightningModule):
+class Trace(WorkedTrace):
     def __init__(self, config: Config) -> None:
-        super().__init__()
+        steps = {rank: 1 if config.short and rank == 0 else config.steps for rank in WINDOWS}
+        super().__init__({rank: WINDOWS[rank][: config.accumulate] * steps[rank] for rank in WINDOWS})
         self.config = config
-        self.w = nn.Parameter(torch.tensor([10.0]))
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Any:
-        mean = (0.5 * (self.w - batch) ** 2).mean()
-        self.log("mean", mean)  # the audit's replay must not log it a second time
-        return mean if self.config.bare else {"loss": mean, "count": len(batch)}
-
-    def train_dataloader(self) -> Any:
-        microbatches = WINDOWS[self.global_rank][: self.config.accumulate]
-        steps = 1 if self.config.short and self.global_rank == 0 else self.config.steps
-        data = [torch.tensor(targets) for _ in range(steps) for targets in microbatches]
-        return torch.utils.data.DataLoader(data, batch_size=None)
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        output = super().training_step(batch, batch_idx)
+        self.log("mean", output["loss"])  # the audit's replay must not log it a second time
+        return output["loss"] if self.config.bare else output
 
 
 class Corrupt(Callback):
@@ -91,7 +83,7 @@ def main() -> None:
         callbacks.append(lightning_weighted.ItemCounter(lambda batch: batch[0], integer=False, log=False))
     callbacks += [audit, Save(audit, args.out)]
     trainer = Trainer(
-        strategy=cls(start_method="fork", timeout=timedelta(seconds=30)),
+        strategy=cls(timeout=timedelta(seconds=30)),
         accelerator="cpu",
         devices=2,
         max_epochs=1,

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
-
-sys.path.insert(0, str(Path(__file__).parent))
 from scenario import Config, WeightedModule
 from worker import Recorder, make_strategy, rank_arguments
 

@@ -22,7 +22,7 @@ from scenario import Config, is_finite, max_relative_error, reference
     ],
 )
 def test_the_global_count_is_exact_at_any_scale_and_precision(tmp_path, count, precision):
-    config = Config(strategy="ddp_weighted_fork", count_override=count, precision=precision, lr=0.01, batches=3)
+    config = Config(strategy="ddp_weighted", count_override=count, precision=precision, lr=0.01, batches=3)
     result = fit(config, tmp_path)
     for rank in result:
         assert [items for _, items, _ in rank["windows"]] == [2 * count] * 3  # N == P · count, exactly
@@ -32,24 +32,24 @@ def test_the_global_count_is_exact_at_any_scale_and_precision(tmp_path, count, p
 def test_large_fp16_counts_keep_gradients_finite_and_on_the_reference(tmp_path):
     # every microbatch weighs 40000 items: the losses stay means, the hook pre-divides; nothing overflows fp16
     config = Config(
-        strategy="ddp_weighted_fork", mode="examples", count_override=40000.0, precision="16-true", batches=4, lr=0.05
+        strategy="ddp_weighted", mode="examples", count_override=40000.0, precision="16-true", batches=4, lr=0.05
     )
     result = fit(config, tmp_path)
     # with equal counts everywhere the objective is the mean of microbatch means
-    equal = Config(strategy="ddp_weighted_fork", mode="examples", batches=4, lr=0.05, count_override=1.0)
+    equal = Config(strategy="ddp_weighted", mode="examples", batches=4, lr=0.05, count_override=1.0)
     expected = fit(equal, tmp_path)[0]["params"]
     assert is_finite(result[0]["params"])
     assert max_relative_error(result[0]["params"], [e.double() for e in expected]) < 1e-2  # fp16 steps
 
 
 def test_gradient_clipping_by_value_clips_the_normalized_gradient(tmp_path):
-    config = Config(strategy="ddp_weighted_fork", clip=0.02, clip_algorithm="value", accumulate=2)
+    config = Config(strategy="ddp_weighted", clip=0.02, clip_algorithm="value", accumulate=2)
     result = fit(config, tmp_path)
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
 
 
 def test_a_compiled_model_trains_the_reference(tmp_path):
-    config = Config(strategy="ddp_weighted_fork", compile=True, accumulate=2)
+    config = Config(strategy="ddp_weighted", compile=True, accumulate=2)
     result = fit(config, tmp_path, timeout=300)
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
 
@@ -61,7 +61,7 @@ def test_ddp_join_around_training_is_refused_on_every_rank(tmp_path):
 
 def test_a_rank_whose_whole_window_is_masked_still_steps_and_the_result_is_defined(tmp_path):
     # rank 1 has no valid item in window 1 (microbatches 2 and 3): it contributes zero, rank 0's items decide
-    config = Config(strategy="ddp_weighted_fork", accumulate=2, masked=[(1, 2), (1, 3)])
+    config = Config(strategy="ddp_weighted", accumulate=2, masked=[(1, 2), (1, 3)])
     result = fit(config, tmp_path)
     assert result[1]["windows"][1][2] == 0.0  # rank 1's local count in that window
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5

@@ -25,7 +25,7 @@ def _equal(a: object, b: object) -> bool:
 def test_fully_masked_microbatches_with_nan_means_contribute_exactly_zero(tmp_path, find_unused):
     # rank 0's microbatch 1 and rank 1's microbatch 4 have every token masked: their means are 0/0 = NaN
     config = Config(
-        strategy="ddp_weighted_fork",
+        strategy="ddp_weighted",
         accumulate=2,
         masked=[(0, 1), (1, 4)],
         find_unused=find_unused,
@@ -38,9 +38,7 @@ def test_fully_masked_microbatches_with_nan_means_contribute_exactly_zero(tmp_pa
 
 def test_a_window_without_items_leaves_params_optimizer_and_scheduler_bit_identical(tmp_path):
     # windows 0, 1, 2 of A = 2; window 1 has no valid item on any rank
-    config = Config(
-        strategy="ddp_weighted_fork", accumulate=2, empty_windows=[1], optimizer="adam", scheduler=True, lr=0.05
-    )
+    config = Config(strategy="ddp_weighted", accumulate=2, empty_windows=[1], optimizer="adam", scheduler=True, lr=0.05)
     result = fit(config, tmp_path)
     for rank in result:
         before, empty, after = rank["steps"]
@@ -63,7 +61,7 @@ def test_a_window_without_items_leaves_params_optimizer_and_scheduler_bit_identi
     ],
 )
 def test_the_hook_is_registered_on_cpu_and_its_collectives_per_optimizer_step_are(tmp_path, precision, ours):
-    config = Config(strategy="ddp_weighted_fork", accumulate=3, batches=7, count_collectives=True, precision=precision)
+    config = Config(strategy="ddp_weighted", accumulate=3, batches=7, count_collectives=True, precision=precision)
     result = fit(config, tmp_path)
     for rank in result:
         assert rank["comm_hook"] == "weighted_allreduce_hook"
@@ -83,7 +81,7 @@ def test_counts_riding_in_the_first_of_several_buckets_reach_every_bucket(tmp_pa
     # one bucket per parameter once DDP has rebuilt them (from the second window): the later buckets are summed
     # at once and divided when the first is back (fp16 backward: mean-sized losses, multiplied back before the SUM)
     config = Config(
-        strategy="ddp_weighted_fork",
+        strategy="ddp_weighted",
         accumulate=2,
         precision=precision,
         bucket_cap_mb=1e-6,
@@ -107,7 +105,7 @@ def test_counts_riding_in_the_first_of_several_buckets_reach_every_bucket(tmp_pa
 
 def test_a_first_bucket_beyond_the_ride_limit_sends_the_counts_just_before_it(tmp_path):
     config = Config(
-        strategy="ddp_weighted_fork", accumulate=2, bucket_cap_mb=1e-6, count_collectives=True, ride_limit_bytes=0
+        strategy="ddp_weighted", accumulate=2, bucket_cap_mb=1e-6, count_collectives=True, ride_limit_bytes=0
     )
     result = fit(config, tmp_path)
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
@@ -125,7 +123,7 @@ def test_a_first_bucket_beyond_the_ride_limit_sends_the_counts_just_before_it(tm
     [("64-true", 1e-10), ("32-true", 1e-5), ("bf16-mixed", 3e-2), ("16-mixed", 3e-2), ("bf16-true", 5e-2)],
 )
 def test_every_precision_gives_the_reference_within_its_precision(tmp_path, precision, rtol):
-    config = Config(strategy="ddp_weighted_fork", accumulate=2, mode="weights", precision=precision, lr=0.05)
+    config = Config(strategy="ddp_weighted", accumulate=2, mode="weights", precision=precision, lr=0.05)
     result = fit(config, tmp_path)
     expected = reference(config)
     assert max_relative_error(result[0]["params"], expected["params"]) < rtol
@@ -133,7 +131,7 @@ def test_every_precision_gives_the_reference_within_its_precision(tmp_path, prec
 
 
 def test_clipping_and_on_before_optimizer_step_see_the_normalized_gradient(tmp_path):
-    config = Config(strategy="ddp_weighted_fork", accumulate=2, clip=0.05, mode="examples")
+    config = Config(strategy="ddp_weighted", accumulate=2, clip=0.05, mode="examples")
     expected = reference(config)
     assert max(expected["norms"]) > 0.05  # clipping is active
     result = fit(config, tmp_path)
@@ -142,15 +140,16 @@ def test_clipping_and_on_before_optimizer_step_see_the_normalized_gradient(tmp_p
 
 
 def test_accumulation_scheduler_windows_and_short_last_windows_are_weighted(tmp_path):
-    config = Config(strategy="ddp_weighted_fork", schedule={0: 2, 1: 4}, batches=7, epochs=2, mode="weights")
+    config = Config(strategy="ddp_weighted", schedule={0: 2, 1: 4}, batches=7, epochs=2, mode="weights")
     result = fit(config, tmp_path)
     assert len(result[0]["steps"]) == 4 + 2  # windows of 2,2,2,1 then 4,3
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
 
 
-def test_popen_launcher_matches_the_reference(tmp_path):
-    config = Config(strategy="ddp_weighted", accumulate=2, mode="examples")
-    result = fit(config, tmp_path)
+@pytest.mark.parametrize("strategy", ["ddp_weighted", "ddp_weighted_fork"])
+def test_lightnings_own_popen_and_fork_launchers_match_the_reference(tmp_path, strategy):
+    config = Config(strategy=strategy, accumulate=2, mode="examples")
+    result = fit(config, tmp_path, lightning=True)  # one process; Lightning starts the other rank
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
 
 

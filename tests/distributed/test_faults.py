@@ -1,18 +1,16 @@
 """Faults on one rank end every rank with an error within the process-group timeout, and nothing hangs.
 
-Each run uses the popen launcher (every rank a process of its own) and a 10 s process-group timeout; T is the
+Every rank is a process of its own, as under the default popen launcher, with a 10 s process-group timeout; T is the
 bound of the fault catalogue: timeout + 10 s from the moment the fault strikes until every rank has exited.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import sys
 import time
 
 import pytest
-from harness import HERE, run
+from harness import run_worker
 from scenario import Config
 
 PG_TIMEOUT = 10.0
@@ -28,16 +26,8 @@ def _inject(tmp_path, kind: str, batch_idx: int = 2, *extra: float, accumulate: 
         pg_timeout=PG_TIMEOUT,
         fault=[kind, 1, batch_idx, *extra],
     )
-    command = [
-        sys.executable,
-        str(HERE / "worker.py"),
-        "--config",
-        json.dumps(vars(config)),
-        "--out",
-        str(tmp_path / "out"),
-    ]
     started = time.time()
-    done = run(command, timeout=120, check_leftovers=True)
+    _, done = run_worker("worker.py", config, tmp_path, timeout=120, check_leftovers=True)
     struck = re.search(r"FAULT \S+ (\d+\.\d+)", done.stdout)
     assert struck, done.stdout[-3000:]
     elapsed = done.ended - float(struck.group(1))  # type: ignore[attr-defined]

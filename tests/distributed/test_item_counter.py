@@ -17,7 +17,7 @@ def _rows(tmp_path: Path, column: str) -> list[dict[str, str]]:
 
 
 def test_counts_from_the_batch_train_the_reference_and_the_csv_holds_the_weighted_objective(tmp_path):
-    config = Config(strategy="ddp_weighted_fork", counter="mask", bare_loss=True, accumulate=2, lengths=(6, 4))
+    config = Config(strategy="ddp_weighted", counter="mask", bare_loss=True, accumulate=2, lengths=(6, 4))
     expected = reference(config)
     result = fit(config, tmp_path)
     assert max_relative_error(result[0]["params"], expected["params"]) < 1e-5

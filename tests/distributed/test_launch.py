@@ -6,16 +6,12 @@ timeout and a 30 s process-group timeout, on a free loopback port; leftover proc
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 import inspect
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
@@ -23,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import ROOT, free_port, run
+from launcher import ROOT, free_port, run
 from scenario import Config, max_relative_error, reference
 
 import lightning_weighted
@@ -31,88 +27,13 @@ import lightning_weighted
 HERE = Path(__file__).parent
 CONFIG = Config(accumulate=3, batches=7, epochs=2, mode="tokens")  # uneven counts, a short last window
 RUN_TIMEOUT = 180.0  # seconds for a whole 2-process run; a healthy one takes ~10 s
-# Variables of an enclosing launch that would make Lightning pick the wrong cluster environment.
-_LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+ENV = {"OMP_NUM_THREADS": "1"}
 
 
-def _clean_environment(**extra: str) -> dict[str, str]:
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if key not in _LAUNCH_VARIABLES and not key.startswith(("SLURM_", "TORCHELASTIC_", "PL_"))
-    }
-    return {**env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **extra}
-
-
-def _processes_with(token: str) -> list[int]:
-    """Pids of every live process whose command line contains `token` (Linux `/proc`; empty elsewhere)."""
-    pids = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        with contextlib.suppress(OSError):
-            if token.encode() in (entry / "cmdline").read_bytes() and int(entry.name) != os.getpid():
-                pids.append(int(entry.name))
-    return pids
-
-
-def _kill(pids: list[int], sig: signal.Signals) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
-
-
-def run_together(commands: list[list[str]], envs: list[dict[str, str]], token: str, log_dir: Path) -> list[str]:
-    """Runs the commands concurrently, each in its own session; returns their outputs, failing the test on error.
-
-    Every process of the run (torchrun's workers too, which torchrun puts in sessions of their own) carries
-    `token` on its command line: on a hang the workers dump their stacks (SIGUSR1, `faulthandler`), then every
-    process carrying the token is killed, and so is any that outlives a finished run.
-    """
-    logs = [log_dir / f"{token}-{index}.log" for index in range(len(commands))]
-    processes = []
-    started, hung = time.monotonic(), ""
-    try:
-        for command, env, log in zip(commands, envs, logs, strict=True):
-            with log.open("w") as sink:
-                processes.append(
-                    subprocess.Popen(
-                        command, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
-                    )
-                )
-        deadline = time.monotonic() + RUN_TIMEOUT
-        failed_at: float | None = None
-        while any(process.poll() is None for process in processes):
-            now = time.monotonic()
-            if failed_at is None and any(process.poll() not in (None, 0) for process in processes):
-                failed_at = now  # one side failed: give the other a moment to report its own error
-            if now > deadline or (failed_at is not None and now > failed_at + 10):
-                why = "hard timeout, a hang" if now > deadline else "a process failed, the others did not exit"
-                hung = f"killed the run after {now - started:.0f}s ({why}; stacks below)\n"
-                _kill(
-                    [pid for pid in _processes_with(token) if b"torch.distributed.run" not in _cmdline(pid)],
-                    signal.SIGUSR1,
-                )
-                time.sleep(2)
-                break
-            time.sleep(0.2)
-    finally:
-        _kill(_processes_with(token), signal.SIGKILL)
-        for process in processes:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    outputs = [log.read_text(errors="replace") for log in logs]
-    report = hung + "\n".join(
-        f"--- {command[:6]} (exit {p.returncode})\n{out[-6000:]}"
-        for command, p, out in zip(commands, processes, outputs, strict=True)
-    )
-    assert not hung and all(process.returncode == 0 for process in processes), report
-    return outputs
-
-
-def _cmdline(pid: int) -> bytes:
-    with contextlib.suppress(OSError):
-        return (Path("/proc") / str(pid) / "cmdline").read_bytes()
-    return b""
+def run_together(commands: list[list[str]], envs: list[dict[str, str]]) -> None:
+    """Runs the commands at once (two "nodes"); every process they start is killed once they are done."""
+    done = run(commands, RUN_TIMEOUT, env=[{**ENV, **env} for env in envs])
+    assert done.returncode == 0, done.stdout[-12000:]
 
 
 def _worker_arguments(config: Config, out: Path, strategy: str, *, instance: bool = False) -> list[str]:
@@ -138,8 +59,7 @@ def _records(out: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 
 def torchrun_fit(config: Config, strategy: str, tmp_path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Two `torchrun --nnodes=2 --nproc_per_node=1 --node_rank=K` launches on this machine, one per node."""
-    token = f"launch-{os.urandom(6).hex()}"
-    out = tmp_path / token
+    out = tmp_path / f"launch-{os.urandom(6).hex()}"
     port = free_port()
     commands = [
         [
@@ -155,14 +75,13 @@ def torchrun_fit(config: Config, strategy: str, tmp_path: Path) -> tuple[list[di
         ]
         for node in range(2)
     ]
-    run_together(commands, [_clean_environment()] * 2, token, tmp_path)
+    run_together(commands, [{}, {}])
     return _records(out)
 
 
 def slurm_fit(config: Config, tmp_path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Two processes with the variables `srun` gives two single-task nodes, started directly (no launcher)."""
-    token = f"launch-{os.urandom(6).hex()}"
-    out = tmp_path / token
+    out = tmp_path / f"launch-{os.urandom(6).hex()}"
     port = str(free_port())
     job = {
         "SLURM_JOB_ID": "4242",
@@ -173,13 +92,10 @@ def slurm_fit(config: Config, tmp_path: Path) -> tuple[list[dict[str, Any]], lis
         "SLURM_NODELIST": "127.0.0.1",
         "MASTER_PORT": port,
     }
-    envs = [
-        _clean_environment(**job, SLURM_PROCID=str(rank), SLURM_NODEID=str(rank), SLURM_LOCALID="0")
-        for rank in range(2)
-    ]
-    # MASTER_ADDR stays unset: SLURMEnvironment takes the first host of SLURM_NODELIST
+    envs = [{**job, "SLURM_PROCID": str(rank), "SLURM_NODEID": str(rank), "SLURM_LOCALID": "0"} for rank in range(2)]
+    # SLURMEnvironment takes the address from the first host of SLURM_NODELIST
     command = [sys.executable, *_worker_arguments(config, out, "ddp_weighted", instance=True)]
-    run_together([command, command], envs, token, tmp_path)
+    run_together([command, command], envs)
     return _records(out)
 
 
@@ -337,9 +253,7 @@ def test_lightning_cli_fit_on_two_cpu_processes_matches_the_float64_reference(tm
         "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
         "--trainer.default_root_dir", str(tmp_path),
     ]  # fmt: skip
-    path = [str(HERE), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]  # `scenario` importable
-    env = {"PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1"}
-    done = run(command, RUN_TIMEOUT, env=env)
+    done = run(command, RUN_TIMEOUT, env=ENV)  # `scenario` is importable: the launcher's PYTHONPATH
     assert done.returncode == 0, done.stdout[-8000:]
 
     checkpoints = sorted((tmp_path / "checkpoints").glob("*.ckpt"))

@@ -10,10 +10,10 @@ from scenario import Config, max_relative_error, reference
 
 @pytest.mark.parametrize("accumulate", [1, 3])
 def test_ddp_weighted_matches_the_float64_reference_and_ddp_does_not(tmp_path, accumulate):
-    config = Config(strategy="ddp_weighted_fork", accumulate=accumulate, batches=7, epochs=2, mode="tokens")
+    config = Config(strategy="ddp_weighted", accumulate=accumulate, batches=7, epochs=2, mode="tokens")
     expected = reference(config)
     weighted = fit(config, tmp_path)
-    plain = fit(Config(**{**vars(config), "strategy": "ddp_fork"}), tmp_path)
+    plain = fit(Config(**{**vars(config), "strategy": "ddp"}), tmp_path)
 
     assert max_relative_error(weighted[0]["params"], expected["params"]) < 1e-5
     assert all(
@@ -26,7 +26,7 @@ def test_ddp_weighted_matches_the_float64_reference_and_ddp_does_not(tmp_path, a
 
 def test_the_objective_does_not_depend_on_the_number_of_ranks(tmp_path):
     # the same items per optimizer step, held by 3 ranks or merged into 1: both train the float64 reference
-    three = Config(strategy="ddp_weighted_fork", world_size=3, accumulate=2, batches=4, epochs=2, mode="weights")
+    three = Config(strategy="ddp_weighted", world_size=3, accumulate=2, batches=4, epochs=2, mode="weights")
     one = Config(**{**vars(three), "world_size": 1, "merged_from": 3})
     expected = reference(three)
     assert max_relative_error(reference(one)["params"], expected["params"]) < 1e-12  # the same objective

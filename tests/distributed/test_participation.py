@@ -19,7 +19,7 @@ def _steps_per_epoch(config: Config) -> int:
 @pytest.mark.parametrize("iterable", [False, True])
 def test_uneven_batch_counts_train_the_global_item_mean_over_two_epochs(tmp_path, lengths, iterable):
     config = Config(
-        strategy="ddp_weighted_fork", lengths=lengths, iterable=iterable, accumulate=2, epochs=2, log_sync_dist=True
+        strategy="ddp_weighted", lengths=lengths, iterable=iterable, accumulate=2, epochs=2, log_sync_dist=True
     )
     result = fit(config, tmp_path)
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
@@ -34,7 +34,7 @@ def test_uneven_batch_counts_train_the_global_item_mean_over_two_epochs(tmp_path
 
 def test_a_dataset_not_divisible_by_ranks_batch_and_window_counts_each_item_once(tmp_path):
     # 37 items, batch 4, 2 ranks, A = 3: Lightning's sampler would pad to 38 and train one item twice
-    config = Config(strategy="ddp_weighted_fork", items=37, batch_size=4, accumulate=3, epochs=2, mode="weights")
+    config = Config(strategy="ddp_weighted", items=37, batch_size=4, accumulate=3, epochs=2, mode="weights")
     expected = reference(config)
     result = fit(config, tmp_path)
     assert max_relative_error(result[0]["params"], expected["params"]) < 1e-5
@@ -42,7 +42,7 @@ def test_a_dataset_not_divisible_by_ranks_batch_and_window_counts_each_item_once
 
 
 def test_plain_ddp_on_the_same_shards_trains_a_different_objective(tmp_path):
-    config = Config(strategy="ddp_fork", items=37, batch_size=4, accumulate=3, epochs=2, mode="weights")
+    config = Config(strategy="ddp", items=37, batch_size=4, accumulate=3, epochs=2, mode="weights")
     result = fit(config, tmp_path)
     # one repeated item, the mean of rank means and the loss / A of the short window all move the result
     assert max_relative_error(result[0]["params"], reference(config)["params"]) > 1e-3
@@ -50,7 +50,7 @@ def test_plain_ddp_on_the_same_shards_trains_a_different_objective(tmp_path):
 
 @pytest.mark.parametrize("iterable", [False, True])
 def test_plain_ddp_with_uneven_batch_counts_crashes_or_trains_wrong(tmp_path, iterable):
-    config = Config(strategy="ddp_fork", lengths=(5, 3), iterable=iterable, epochs=2)
+    config = Config(strategy="ddp", lengths=(5, 3), iterable=iterable, epochs=2)
     done = fit(config, tmp_path, timeout=120, expect_failure=None)
     if isinstance(done, list):  # it finished: the ranks stepped different numbers of times, on the wrong data
         steps = [rank["global_step"] for rank in done]
@@ -74,7 +74,7 @@ def test_strict_participation_on_unsized_data_stops_at_the_first_uneven_window(t
 
 
 def test_strict_participation_with_even_shards_trains_normally(tmp_path):
-    config = dataclasses.replace(Config(strategy="ddp_weighted_fork", participation="strict"), lengths=(4, 4))
+    config = dataclasses.replace(Config(strategy="ddp_weighted", participation="strict"), lengths=(4, 4))
     result = fit(config, tmp_path)
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
 
@@ -90,7 +90,7 @@ def _single_process_validation(config: Config, params: list) -> float:
         return float((item_losses(model, x, y) * w).sum() / w.sum())
 
 
-@pytest.mark.parametrize(("strategy", "exact"), [("ddp_weighted_fork", True), ("ddp_fork", False)])
+@pytest.mark.parametrize(("strategy", "exact"), [("ddp_weighted", True), ("ddp", False)])
 def test_a_weighted_mean_metric_over_unpadded_validation_shards_equals_one_process(tmp_path, strategy, exact):
     # 9 validation items over 2 ranks in batches of 4: rank 0 holds 5 items (2 batches), rank 1 holds 4 (1 batch)
     config = Config(strategy=strategy, items=12, val_items=9, epochs=1)

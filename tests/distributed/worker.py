@@ -9,9 +9,7 @@ import argparse
 import faulthandler
 import json
 import signal
-import sys
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,8 +18,6 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
-
-sys.path.insert(0, str(Path(__file__).parent))
 from scenario import Config, WeightedModule
 
 import lightning_weighted
@@ -122,9 +118,9 @@ def make_strategy(config: Config) -> Any:
         kwargs["participation"] = config.participation
     weighted = weighted_name(config)
     if config.ride_limit_bytes is not None:
-        lightning_weighted.WeightedReduceState.ride_limit_bytes = config.ride_limit_bytes
+        kwargs["ride_limit_bytes"] = config.ride_limit_bytes
     if config.fp16_backward:  # what `16-mixed` selects on CUDA; on CPU Lightning turns it into bf16-mixed
-        lightning_weighted.strategy._fp16_backward = lambda plugin: True  # type: ignore[attr-defined]
+        kwargs["loss_scale"] = "mean_sized"
     start_method = config.strategy.removeprefix("ddp_weighted" if weighted else "ddp").lstrip("_") or "popen"
     cls = lightning_weighted.WeightedDDPStrategy if weighted else DDPStrategy
     return cls(start_method=start_method, **kwargs)

@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch import Trainer
 
 from lightning_weighted import ItemCounter
-from lightning_weighted._weights import CountProblem, read_count
+from lightning_weighted._counts import CountProblem, read_count
 
 LABELS = torch.tensor(
     [
@@ -89,7 +89,10 @@ def test_bad_arguments_are_refused(kwargs, match):
 
 def test_it_refuses_a_strategy_that_does_not_weight():
     trainer = Trainer(strategy="ddp", accelerator="cpu", devices=2, logger=False)
-    with pytest.raises(ValueError, match=r"ItemCounter supplies counts to `strategy='ddp_weighted'`, but the Trainer"):
+    with pytest.raises(
+        ValueError,
+        match=r"ItemCounter supplies counts to a weighted strategy \(`strategy='ddp_weighted'`\), but the Trainer",
+    ):
         ItemCounter().setup(trainer, None, "fit")  # type: ignore[arg-type]
 
 

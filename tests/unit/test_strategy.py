@@ -1,4 +1,4 @@
-"""The strategy's surface: registration, public names, refusals (no processes)."""
+"""The strategy's surface: registration, public names, refusals, its Lightning wiring (no extra processes)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,16 @@ import importlib
 import pickle
 
 import pytest
+import torch.distributed as dist
 from lightning.pytorch import Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import StrategyRegistry
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 import lightning_weighted
-from lightning_weighted import WeightedDDPStrategy, WeightedReduceState
+from lightning_weighted import UnpaddedDistributedSampler, WeightedDDPStrategy, WeightedReduceState
+from lightning_weighted.participation import ParticipatingLoader
+from lightning_weighted.strategies._trainer import LOADER_BARRIERS
 
 NAMES = {
     "ddp_weighted": ("popen", False),
@@ -42,7 +46,7 @@ def test_trainer_builds_the_strategy_from_its_name(name):
 
 def test_public_names_are_exactly_all():
     public = {name for name in vars(lightning_weighted) if not name.startswith("_")}
-    modules = {"audit", "hook", "strategy", "callback", "participation"}
+    modules = {"audit", "counting", "participation", "reduce", "strategies", "window"}
     assert set(lightning_weighted.__all__) == public - modules - {"StrategyRegistry"}
     assert lightning_weighted.__all__ == sorted(lightning_weighted.__all__)
 
@@ -55,10 +59,10 @@ def test_a_user_comm_hook_is_refused_because_the_hook_is_owned_by_ddp_weighted(a
 
 
 def test_hook_state_pickles_without_its_process_group_or_pending_work():
-    state = pickle.loads(pickle.dumps(WeightedReduceState(rides=True)))
+    state = pickle.loads(pickle.dumps(WeightedReduceState(rides=True, ride_limit_bytes=123)))
     assert state.process_group is None
-    assert state.rides
-    with pytest.raises(RuntimeError, match="no count reduction was started"):
+    assert (state.rides, state.ride_limit_bytes) == (True, 123)
+    with pytest.raises(RuntimeError, match="no count payload was handed over for this window"):
         state.counts()
 
 
@@ -66,3 +70,46 @@ def test_the_strategy_pickles_for_the_spawn_launcher():
     strategy = pickle.loads(pickle.dumps(WeightedDDPStrategy(find_unused_parameters=True)))
     assert strategy._ddp_kwargs == {"find_unused_parameters": True}
     assert strategy.skipped_steps == 0
+
+
+class _Recording(WeightedDDPStrategy):
+    """Notes the barriers Lightning passes and the dataloaders the strategy hands back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.barriers: list[str | None] = []
+        self.loaders: list[object] = []
+
+    def barrier(self, name: str | None = None) -> None:
+        self.barriers.append(name)
+        super().barrier(name)
+
+    def process_dataloader(self, dataloader: object) -> object:
+        self.loaders.append(super().process_dataloader(dataloader))
+        return self.loaders[-1]
+
+
+@pytest.fixture
+def one_process_group():
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_lightning_names_the_barrier_before_each_dataloader_and_the_patches_leave_with_the_fit(one_process_group):
+    # One process (world size 1, in this one): the strategy recognises each dataloader by the barrier's name.
+    strategy = _Recording()
+    model = BoringModel()
+    trainer = Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, max_steps=2, limit_val_batches=1, limit_test_batches=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(model)
+    trainer.test(model, verbose=False)
+
+    assert set(LOADER_BARRIERS) <= set(strategy.barriers)  # fails if Lightning renames them
+    validation, train, test = strategy.loaders
+    assert isinstance(train, ParticipatingLoader)
+    for loader in (validation, train.loader, test):
+        assert type(loader.sampler) is UnpaddedDistributedSampler  # Lightning's padding sampler, swapped
+    assert not {"on_train_batch_start", "lr_scheduler_step"} & set(vars(model))  # the module as it was

@@ -1,11 +1,11 @@
-"""``ItemCounter``: counts each microbatch's valid items from the batch and logs the objective per step."""
+"""Counting a microbatch's items from the batch: plain functions, and ``ItemCounter``, their Trainer callback."""
 
 from __future__ import annotations
 
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -15,12 +15,71 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
-from lightning_weighted.strategy import WeightedDDPStrategy
+from lightning_weighted._counts import imbalance
+from lightning_weighted.window import WindowResult
 
-__all__ = ["ItemCounter"]
+__all__ = ["CountReceiver", "ItemCounter", "count_examples", "count_tokens", "count_weights"]
 
 CountFn = Callable[[Any], "int | float | Tensor"]
 Preset = Literal["examples", "tokens", "weights"]
+
+
+def count_examples(batch: Any) -> int:
+    """The batch size, found in the batch as Lightning finds it for logging.
+
+    Example::
+
+        >>> count_examples({"input_ids": torch.zeros(4, 7)})
+        4
+    """
+    return extract_batch_size(batch)
+
+
+def count_tokens(
+    batch: Any, key: str | int, *, ignore_index: int = -100, mask: bool = False, shift: bool = False
+) -> Tensor:
+    """The valid tokens of a batch: labels that are not ``ignore_index``, or the ones of a 0/1 mask.
+
+    Args:
+        batch: a dict or a tuple holding the labels (or the mask).
+        key: where the labels or mask sit: a dict key or a tuple index.
+        ignore_index: the label that marks a token the loss ignores.
+        mask: whether ``batch[key]`` is a 0/1 mask rather than labels.
+        shift: count ``labels[..., 1:]``, the targets of a causal LM whose loss compares ``logits[..., :-1]``
+            with ``labels[..., 1:]``, so that the count equals the loss's own denominator.
+
+    Example::
+
+        >>> batch = {"labels": torch.tensor([[5, 7, 9], [5, 6, -100]])}
+        >>> count_tokens(batch, "labels", shift=True)  # targets [7, 9] and [6]
+        tensor(3)
+        >>> count_tokens(batch, "labels")  # without the shift: one more per row
+        tensor(5)
+    """
+    values = _select(batch, key)
+    valid = values.bool() if mask else values != ignore_index
+    return (valid[..., 1:] if shift else valid).sum()
+
+
+def count_weights(batch: Any, key: str | int) -> Tensor:
+    """The sum of a batch's sample weights, ``batch[key]``.
+
+    Example::
+
+        >>> count_weights((torch.zeros(3), torch.tensor([0.5, 1.0, 2.0])), 1)
+        tensor(3.5000)
+    """
+    return _select(batch, key).sum()
+
+
+@runtime_checkable
+class CountReceiver(Protocol):
+    """A strategy that takes counts from :class:`ItemCounter` and reports each window's result."""
+
+    last_window: WindowResult | None
+
+    def supply_count(self, count: object, integer: bool = False) -> None:
+        """Gives the count of the next microbatch."""
 
 
 class ItemCounter(Callback):
@@ -30,29 +89,27 @@ class ItemCounter(Callback):
     a ``"count"`` it returns still takes precedence, and a disagreement between the two is reported once.
 
     Args:
-        count: what to count: ``"examples"`` (the batch size), ``"tokens"`` (target tokens that are not
-            ``ignore_index``, or the ones of a 0/1 mask), ``"weights"`` (the sum of sample weights), or a
-            function ``count_fn(batch) -> int | float | Tensor``, as ``ThroughputMonitor(batch_size_fn=...)``.
+        count: what to count: ``"examples"`` (:func:`count_examples`), ``"tokens"`` (:func:`count_tokens`),
+            ``"weights"`` (:func:`count_weights`), or a function ``count_fn(batch) -> int | float | Tensor``, as
+            ``ThroughputMonitor(batch_size_fn=...)``.
         key: where the labels, mask or weights sit in the batch: a dict key or a tuple index.
         ignore_index: the label that marks a token the loss ignores (``"tokens"`` with labels).
         mask: whether ``key`` holds a 0/1 mask rather than labels (``"tokens"``).
-        shift: count ``labels[..., 1:]``, the targets of a causal LM whose loss compares ``logits[..., :-1]``
-            with ``labels[..., 1:]``, so the count equals the loss's own denominator.
+        shift: count the targets of a causal LM, ``labels[..., 1:]`` (``"tokens"``).
         integer: whether counts must be whole numbers; defaults to ``True`` for examples and tokens.
         log: log per optimizer step ``train/loss`` (the global item mean of the loss, ``Σ n·loss / N``),
-            ``train/items`` (``N``), ``train/items_local``, ``train/items_per_sec`` and ``train/imbalance``
-            (``max_r P·n_r / N``, how far plain DDP would have skewed item influence), plus ``train/loss_epoch``,
-            a torchmetrics ``MeanMetric`` of the step losses weighted by ``N``.
+            ``train/items`` (``N``), ``train/items_local``, ``train/items_per_sec`` (``N`` over the wall time
+            from the step's first microbatch to its end) and ``train/imbalance`` (``max_r P·n_r / N``, how far
+            plain DDP would have skewed item influence), plus ``train/loss_epoch``, a torchmetrics
+            ``MeanMetric`` of the step losses weighted by ``N``.
         imbalance: also log ``train/imbalance``, at the cost of one 8-byte MAX all-reduce on the steps Lightning
             logs (every ``log_every_n_steps``); everything else reuses the strategy's count reduction.
 
     Example::
 
         >>> batch = {"labels": torch.tensor([[5, 7, 9], [5, 6, -100]])}
-        >>> ItemCounter("tokens", key="labels", shift=True).count_of(batch)  # targets [7, 9] and [6]
+        >>> ItemCounter("tokens", key="labels", shift=True).count_of(batch)
         tensor(3)
-        >>> ItemCounter("tokens", key="labels").count_of(batch)  # without the shift: one more per row
-        tensor(5)
     """
 
     def __init__(
@@ -77,46 +134,47 @@ class ItemCounter(Callback):
         self.items_total = 0.0
         self._loss_epoch = MeanMetric(sync_on_compute=False)  # its inputs are already global
         self._last_step: int | None = None
-        self._clock = time.perf_counter()
+        self._started: float | None = None  # when the window in progress began
 
     def count_of(self, batch: Any) -> int | float | Tensor:
         """The count of one microbatch, as the chosen preset or function defines it."""
         if callable(self.count):
             return self.count(batch)
         if self.count == "examples":
-            return extract_batch_size(batch)
-        values = _select(batch, self.key)
+            return count_examples(batch)
+        assert self.key is not None
         if self.count == "weights":
-            return values.sum()
-        valid = values.bool() if self.mask else values != self.ignore_index
-        return (valid[..., 1:] if self.shift else valid).sum()
+            return count_weights(batch, self.key)
+        return count_tokens(batch, self.key, ignore_index=self.ignore_index, mask=self.mask, shift=self.shift)
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if not isinstance(trainer.strategy, WeightedDDPStrategy):
+        if not isinstance(trainer.strategy, CountReceiver):
             raise ValueError(
-                f"ItemCounter supplies counts to `strategy='ddp_weighted'`, but the Trainer uses"
-                f" {type(trainer.strategy).__name__}. Pass `strategy='ddp_weighted'` or drop the callback."
+                f"ItemCounter supplies counts to a weighted strategy (`strategy='ddp_weighted'`), but the Trainer"
+                f" uses {type(trainer.strategy).__name__}. Pass `strategy='ddp_weighted'` or drop the callback."
             )
         self._loss_epoch = self._loss_epoch.to(pl_module.device)
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        assert isinstance(trainer.strategy, WeightedDDPStrategy)
+        assert isinstance(trainer.strategy, CountReceiver)
+        if self._started is None:
+            self._started = time.perf_counter()
         trainer.strategy.supply_count(self.count_of(batch), integer=self.integer)
 
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        assert isinstance(trainer.strategy, WeightedDDPStrategy)
+        assert isinstance(trainer.strategy, CountReceiver)
         window = trainer.strategy.last_window
         if window is None or window.step == self._last_step:
             return  # no optimizer step ended with this batch
         self._last_step = window.step
         self.items_total += window.items
-        now = time.perf_counter()
-        elapsed, self._clock = now - self._clock, now
+        elapsed = time.perf_counter() - (self._started or math.inf)
+        self._started = None
         if not self.log:
             return
         # every value below is already global (or deliberately local): no sync_dist, no extra collective
@@ -133,7 +191,8 @@ class ItemCounter(Callback):
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.log and self._loss_epoch.update_count > 0:
-            pl_module.log("train/loss_epoch", self._loss_epoch.compute(), batch_size=1)
+            # Already global: `sync_dist` averages equal values (exactly), and keeps Lightning from warning.
+            pl_module.log("train/loss_epoch", self._loss_epoch.compute(), sync_dist=True, batch_size=1)
         self._loss_epoch.reset()
 
     @override
@@ -145,7 +204,7 @@ class ItemCounter(Callback):
         self.items_total = float(state_dict["items_total"])
 
 
-def _select(batch: Any, key: str | int | None) -> Tensor:
+def _select(batch: Any, key: str | int) -> Tensor:
     value = None
     if isinstance(batch, Mapping):
         value = batch.get(key)
@@ -162,9 +221,9 @@ def _logs_now(trainer: Trainer) -> bool:
 
 
 def _imbalance(local_items: float, items: float, device: torch.device) -> float:
-    """``max_r P·n_r / N``: 1 when ranks hold equal counts; plain DDP gives rank r's items ``P·n_r/N`` times less."""
+    """:func:`~lightning_weighted._counts.imbalance` over the ranks, from one MAX all-reduce of their counts."""
     if items <= 0 or not dist.is_initialized():
         return 1.0
     largest = torch.tensor(local_items, dtype=torch.float64, device=device)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    return dist.get_world_size() * float(largest) / items
+    return imbalance(float(largest), items, dist.get_world_size())

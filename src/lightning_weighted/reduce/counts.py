@@ -1,0 +1,26 @@
+"""The window's count payload summed on its own: one float64 all-reduce, started without waiting."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from lightning_weighted._counts import CountPayload
+
+__all__ = ["sum_counts"]
+
+
+def sum_counts(
+    payload: CountPayload, device: torch.device, group: dist.ProcessGroup | None = None
+) -> Future[torch.Tensor]:
+    """Starts the SUM of every rank's payload over ``group``; the future's value is the summed float64 vector.
+
+    48 bytes: the way the counts travel wherever they cannot ride in a gradient reduction (fp16/bf16 DDP buckets,
+    FSDP's reduce-scatters), and the way an invalid count's rank and value travel after its flag rode.
+    """
+    summed = payload.tensor(device)
+    work = dist.all_reduce(summed, group=group, async_op=True)
+    assert work is not None
+    future: Future[torch.Tensor] = work.get_future().then(lambda _: summed)
+    return future

@@ -1,0 +1,277 @@
+"""The window rules wired into Lightning's training loop, shared by every weighted Trainer strategy."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_weighted._counts import Count, CountPayload, CountProblem, count_of, read_count, split_output
+from lightning_weighted._patch import patched
+from lightning_weighted.participation import ParticipatingLoader, Participation, Policy, without_padding
+from lightning_weighted.window import LossScale, Window, WindowResult
+
+__all__ = ["LOADER_BARRIERS", "TrainerAdapter", "zero_loss"]
+
+# Lightning names the barrier it passes right before processing a dataloader after that dataloader's hook.
+LOADER_BARRIERS = {"train_dataloader()": "train", "val_dataloader()": "val", "test_dataloader()": "test"}
+
+
+class TrainerAdapter(ParallelStrategy):
+    """Reads each microbatch's count, scales its loss, ends its window, and keeps uneven ranks stepping.
+
+    Subclasses put it before their Lightning strategy (``class S(TrainerAdapter, DDPStrategy)``) and say how
+    the window's counts meet their gradients: :meth:`_loss_scale`, :meth:`_start_sync` (before the backward that
+    ends a window), :meth:`_summed_counts` (after it), and optionally :meth:`_normalize` and :meth:`_zero_loss`.
+    """
+
+    strategy_name: str
+
+    def __init__(self, *args: Any, participation: Policy = "pad", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.skipped_steps = 0
+        self.padding_step = False
+        self.last_window: WindowResult | None = None
+        self._participation = Participation(participation)
+        self._window: Window | None = None
+        self._factor = 0.0  # the current microbatch's loss multiplier
+        self._supplied: tuple[object, bool] | None = None  # the next microbatch's count, from `ItemCounter`
+        self._ends_window = False  # inside `optimizer_step`: the next backward ends the window
+        self._skip_schedulers = False
+        self._loading = ""
+        self._said: set[str] = set()  # notices already given
+        self._patches = contextlib.ExitStack()
+
+    # ------------------------------------------------------------------------------------------- engine hooks
+    def _loss_scale(self) -> LossScale:
+        """What microbatch losses are scaled to; read once per window."""
+        return LossScale.ITEM_SUM
+
+    def _start_sync(self, payload: CountPayload, reference: float) -> None:
+        """Hands the window's payload to the reduction; runs right before the backward that ends the window."""
+        raise NotImplementedError
+
+    def _summed_counts(self) -> list[float]:
+        """The SUM of every rank's payload, on the host; runs after the backward that ends the window."""
+        raise NotImplementedError
+
+    def _normalize(self, items: float) -> None:
+        """Brings ``N`` to gradients the reduction left as item sums; nothing where the reduction did it."""
+
+    def _zero_loss(self, loss: Tensor | None) -> Tensor:
+        """An exact zero standing for ``loss``, whose own mean may be NaN (0/0 over a fully masked microbatch)."""
+        assert self.lightning_module is not None
+        return zero_loss(loss, self.lightning_module)
+
+    # ------------------------------------------------------------------------------------------- Lightning hooks
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        module = trainer.lightning_module
+        if not module.automatic_optimization:
+            raise MisconfigurationException(
+                f"{type(module).__name__} uses manual optimization (`automatic_optimization=False`), which"
+                f" {self.strategy_name} does not weight. Use automatic optimization, or a plain strategy and scale"
+                " the loss yourself."
+            )
+        super().setup(trainer)
+        # No Strategy hook fits either: Lightning ends an epoch only when the module's `on_train_batch_start`
+        # returns -1 (the strategy's return is ignored), and steps LR schedulers through the module's
+        # `lr_scheduler_step`, with no strategy hook between the optimizer step and it.
+        self._patches.enter_context(
+            patched(
+                module,
+                on_train_batch_start=self._wrap_batch_start(module.on_train_batch_start),
+                lr_scheduler_step=self._wrap_scheduler_step(trainer, module.lr_scheduler_step),
+            )
+        )
+
+    @override
+    def teardown(self) -> None:
+        self._patches.close()
+        super().teardown()
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        self._loading = LOADER_BARRIERS.get(name or "", "")
+        super().barrier(name)  # type: ignore[safe-super]  # the engine's strategy, next in the MRO
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        stage, self._loading = self._loading, ""
+        if not stage:
+            return dataloader
+        dataloader = without_padding(dataloader)
+        if stage != "train":
+            return dataloader
+        return ParticipatingLoader(dataloader, self._participation, self.root_device)
+
+    def supply_count(self, count: object, integer: bool = False) -> None:
+        """Gives the count of the next microbatch, for a ``training_step`` that does not return one.
+
+        Called by :class:`~lightning_weighted.ItemCounter` before each training step. A ``"count"`` returned by
+        ``training_step`` takes precedence.
+
+        Args:
+            count: the number of valid items of the microbatch (or the sum of its sample weights).
+            integer: whether the count must be a whole number (examples, tokens).
+        """
+        self._supplied = (count, integer)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        self._skip_schedulers = False
+        supplied, self._supplied = self._supplied, None
+        output = super().training_step(*args, **kwargs)
+        window = self._window = self._window or Window(self._loss_scale())
+        self._factor = 0.0
+        if self.padding_step:
+            return output  # a replayed batch of an exhausted rank contributes nothing
+        loss, item_sum, problem = split_output(output)
+        if loss is None:
+            window.reject(CountProblem.NO_LOSS)
+            return {"loss": self._zero_loss(None)}
+        if problem is not None or loss.grad_fn is None:
+            window.reject(problem or CountProblem.NO_GRAPH)
+            return output
+        count = count_of(output, args[0], supplied)
+        self._notice(count, supplied)
+        self._factor = window.add(count, loss, item_sum)
+        return output
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        assert self.lightning_module is not None
+        # Undo Lightning's `loss / accumulate_grad_batches`, then weight the microbatch.
+        factor = self._factor * self.lightning_module.trainer.accumulate_grad_batches
+        if factor == 0:
+            closure_loss = self._zero_loss(closure_loss)
+        elif factor != 1:
+            closure_loss = closure_loss * factor
+        if self._ends_window:
+            window = self._window or Window(self._loss_scale())
+            self._start_sync(window.payload(self.global_rank, self._participation.has_more()), window.reference)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: LightningModule | Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        # Lightning runs the window's last training step and backward inside this closure, and then clips.
+        def closure_then_finish_window() -> Any:
+            self._ends_window = True
+            try:
+                result = closure()
+            finally:
+                self._ends_window = False
+            self._finish_window(optimizer)
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_finish_window, model, **kwargs)
+
+    # ------------------------------------------------------------------------------------------- internals
+    def _finish_window(self, optimizer: Optimizer) -> None:
+        """Reads the window's global count (one host read per optimizer step) and acts on it on every rank."""
+        assert self.lightning_module is not None
+        step = self.lightning_module.trainer.global_step
+        window, self._window = self._window or Window(self._loss_scale()), None
+        result = self.last_window = window.finish(self._summed_counts(), step)
+        self._participation.after_window(result.ranks_with_more, self.root_device)
+        if result.items > 0:
+            self._normalize(result.items)
+            return
+        # Without gradients no torch optimizer touches parameters or state (momentum, moments, steps).
+        optimizer.zero_grad(set_to_none=True)
+        self._skip_schedulers = True
+        self.skipped_steps += 1
+        rank_zero_warn(
+            f"The global item count of the window ending at step {step} is 0: the optimizer and step-interval LR"
+            " schedulers were not stepped."
+        )
+
+    def _notice(self, count: Count, supplied: tuple[object, bool] | None) -> None:
+        if count.implicit and "implicit" not in self._said:
+            self._said.add("implicit")
+            rank_zero_info(
+                f"{self.strategy_name}: training_step gave no count, so each microbatch counts its examples (the"
+                " batch size). If the loss is a mean over tokens (a Hugging Face model's `out.loss` is), count"
+                " them: return `{'loss': loss, 'count': n_valid_tokens}` or add"
+                " `ItemCounter('tokens', key='labels', shift=True)`; counting by batch size trains like plain DDP."
+                " `ItemCounter('examples')` keeps examples and silences this."
+            )
+        if supplied is None or count.implicit or "disagreement" in self._said:
+            return
+        counted = read_count(*supplied)[0]
+        if counted != count.value:
+            self._said.add("disagreement")
+            warnings.warn(
+                f"On rank {self.global_rank}, training_step returned count={count.value!r} but ItemCounter counted"
+                f" {counted!r} for the same microbatch; the returned count is used. Make them agree (e.g. the"
+                " causal shift, `ignore_index`), or drop one of them. Reported once.",
+                stacklevel=2,
+            )
+
+    def _wrap_batch_start(self, hook: Callable[[Any, int], int | None]) -> Callable[[Any, int], int | None]:
+        def on_train_batch_start(batch: Any, batch_idx: int) -> int | None:
+            # Runs before the strategy's own hook and the training step: the place to end the epoch.
+            if self._participation.stop:
+                return -1  # every rank is out of data: Lightning ends the epoch here, on every rank
+            self.padding_step = self._participation.begin_batch(batch_idx)
+            return hook(batch, batch_idx)
+
+        return on_train_batch_start
+
+    def _wrap_scheduler_step(self, trainer: Trainer, step: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+        def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
+            if self._skip_schedulers and any(
+                config.scheduler is scheduler and config.interval == "step" for config in trainer.lr_scheduler_configs
+            ):
+                return
+            step(scheduler, metric)
+
+        return lr_scheduler_step
+
+
+def zero_loss(loss: Tensor | None, module: Module) -> Tensor:
+    """An exact zero that reaches the parameters ``loss`` depends on (all trainable ones if it has no graph).
+
+    Backpropagating ``0 * loss`` through a fully masked mean sends ``0 * (1/0) = NaN`` into the gradient;
+    touching the parameters directly gives DDP the same set of ready parameters and exact zeros.
+    """
+    if loss is not None and loss.grad_fn is not None:
+        params = _graph_parameters(loss)
+    else:
+        params = [param for param in module.parameters() if param.requires_grad]
+    return torch.stack([param.sum().float() * 0.0 for param in params]).sum()
+
+
+def _graph_parameters(loss: Tensor) -> list[Tensor]:
+    """The leaf tensors that require grad and that ``loss`` was computed from."""
+    params: list[Tensor] = []
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, Tensor):
+            params.append(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return params

@@ -1,0 +1,164 @@
+"""``WeightedDDPStrategy``: DDP whose update is the gradient of the global item mean of each optimizer step."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch._dynamo
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_weighted._counts import CountPayload
+from lightning_weighted.participation import Policy
+from lightning_weighted.reduce.ddp_hook import RIDE_LIMIT_BYTES, WeightedReduceState, weighted_allreduce_hook
+from lightning_weighted.strategies._trainer import TrainerAdapter
+from lightning_weighted.window import LossScale
+
+__all__ = ["WeightedDDPStrategy"]
+
+
+class WeightedDDPStrategy(TrainerAdapter, DDPStrategy):
+    """DDP that optimises the mean over every valid item of each optimizer step, on every rank and microbatch.
+
+    ``training_step`` returns ``{"loss": local_mean, "count": n}``: the mean loss over the ``n`` valid items of
+    the microbatch (examples, unmasked tokens, or the sum of sample weights) and ``n`` itself, an int, a float
+    or a 0-dim tensor, finite and ``>= 0``; ``"reduction": "sum"`` marks a loss summed over the items instead.
+    A bare loss, or a dict without ``"count"``, counts examples (the batch size) unless an
+    :class:`~lightning_weighted.ItemCounter` counts. The synchronized gradient is then the one stated in
+    :mod:`lightning_weighted.window`, whatever the counts on each rank and the number of microbatches in the
+    window; Lightning's division by ``accumulate_grad_batches`` is undone.
+
+    - A microbatch with ``n = 0`` contributes exactly zero, also when its mean is NaN (0/0).
+    - A window whose global ``N`` is 0 changes nothing: the optimizer and step-interval LR schedulers are
+      not stepped, on every rank alike, and rank 0 warns. ``skipped_steps`` counts such windows.
+    - An invalid count, a ``None`` return or a loss without a graph on any rank raises the same error on
+      every rank at the end of the window, before the optimizer step.
+
+    Args:
+        *args: :class:`~lightning.pytorch.strategies.DDPStrategy`'s arguments, except the communication hook ones:
+            the hook is this strategy's own, registered on CPU (gloo) and CUDA (NCCL) alike.
+        participation: ``"pad"`` lets a rank whose data ran out step with count 0 until every rank is done;
+            ``"strict"`` raises instead (see :mod:`lightning_weighted.participation`).
+        loss_scale: ``"item_sum"`` or ``"mean_sized"`` (see :class:`~lightning_weighted.window.LossScale`); by
+            default item sums, and mean-sized losses where fp16 computes the backward or bf16/fp16 gradients keep
+            the counts from riding.
+        ride_limit_bytes: the largest first gradient bucket the counts ride in (see
+            :class:`~lightning_weighted.WeightedReduceState`).
+        **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy`'s keyword arguments.
+
+    Example::
+
+        >>> import lightning_weighted
+        >>> from lightning.pytorch import Trainer
+        >>> trainer = Trainer(strategy="ddp_weighted", accelerator="cpu", devices=1, logger=False)
+        >>> type(trainer.strategy).__name__
+        'WeightedDDPStrategy'
+    """
+
+    strategy_name = "ddp_weighted"
+
+    def __init__(
+        self,
+        *args: Any,
+        participation: Policy = "pad",
+        loss_scale: Literal["item_sum", "mean_sized"] | None = None,
+        ride_limit_bytes: int = RIDE_LIMIT_BYTES,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, participation=participation, **kwargs)
+        for name in ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper"):
+            if getattr(self, f"_{name}") is not None:
+                raise ValueError(
+                    f"`{name}={getattr(self, f'_{name}')!r}` was passed to {type(self).__name__}, but its comm hook"
+                    " is owned by ddp_weighted: it is what weights the gradients. Drop the argument, or use"
+                    " `strategy='ddp'` to run your own hook."
+                )
+        self._scale = None if loss_scale is None else LossScale(loss_scale)
+        self._reduce_state = WeightedReduceState(ride_limit_bytes=ride_limit_bytes)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        entries: tuple[tuple[str, str, dict[str, Any]], ...] = (
+            ("ddp_weighted", "popen", {}),
+            ("ddp_weighted_spawn", "spawn", {}),
+            ("ddp_weighted_fork", "fork", {}),
+            ("ddp_weighted_find_unused_parameters_true", "popen", {"find_unused_parameters": True}),
+        )
+        for name, start_method, extra in entries:
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"Count-weighted DDP strategy with `start_method` '{start_method}' {extra or ''}".strip(),
+                override=True,  # importing twice leaves the registry as it was
+                start_method=start_method,
+                **extra,
+            )
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        accumulates = trainer.accumulate_grad_batches > 1 or any(
+            isinstance(callback, GradientAccumulationScheduler)
+            for callback in trainer.callbacks  # type: ignore[attr-defined]
+        )
+        if str(getattr(torch._dynamo.config, "optimize_ddp", "")).startswith("python_reducer"):
+            raise MisconfigurationException(
+                "`torch._dynamo.config.optimize_ddp='python_reducer'` reduces gradients outside DDP's communication"
+                " hook, so ddp_weighted could not weight them. Use the default `optimize_ddp=True`, or"
+                " `strategy='ddp'`."
+            )
+        if self._ddp_kwargs.get("static_graph") and accumulates:
+            raise MisconfigurationException(
+                "`static_graph=True` with gradient accumulation is not supported by DDP in this torch version."
+                " Drop `static_graph=True`, or set `accumulate_grad_batches=1`."
+            )
+        super().setup(trainer)
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        # `DDPStrategy` registers comm hooks on CUDA only; ours is needed wherever DDP reduces.
+        assert isinstance(self.model, DistributedDataParallel)
+        dtypes = [param.dtype for param in self.model.parameters() if param.requires_grad]
+        self._reduce_state.rides = WeightedReduceState.can_ride(dtypes, self.world_size)
+        if self._scale is None:
+            # Riding counts let every bucket divide after its SUM, so losses may be item sums, unless fp16
+            # computes the backward: there they stay mean-sized (see `lightning_weighted.reduce.ddp_hook`).
+            item_sums = self._reduce_state.rides and not _fp16_backward(self.precision_plugin)
+            self._scale = LossScale.ITEM_SUM if item_sums else LossScale.MEAN_SIZED
+        self.model.register_comm_hook(self._reduce_state, weighted_allreduce_hook)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        join = getattr(self.model, "_join_config", None)
+        if join is not None and join.enable:
+            raise RuntimeError(
+                "DistributedDataParallel.join() is active around a ddp_weighted step. ddp_weighted keeps ranks with"
+                " uneven inputs matched itself (participation='pad'), and join's shadow collectives would pair with"
+                " the count reduction. Remove the join() context."
+            )
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def _loss_scale(self) -> LossScale:
+        return self._scale or LossScale.ITEM_SUM
+
+    @override
+    def _start_sync(self, payload: CountPayload, reference: float) -> None:
+        self._reduce_state.begin_window(payload, reference, self.root_device)
+
+    @override
+    def _summed_counts(self) -> list[float]:
+        return self._reduce_state.counts()
+
+
+def _fp16_backward(plugin: object) -> bool:
+    """Whether Lightning's precision computes in fp16 (``16-mixed``, ``16-true``, Transformer Engine fp16)."""
+    precision = str(getattr(plugin, "precision", ""))
+    return "16" in precision and "bf16" not in precision

@@ -1,0 +1,143 @@
+r"""One rank's accumulation window, whatever the engine: counts in, loss scales out, one result on every rank.
+
+The objective of one optimizer step, over ranks :math:`r` and the microbatches :math:`m` of its accumulation
+window, each holding :math:`n_{rm}` valid items whose mean gradient is :math:`\bar g_{rm}`:
+
+.. math::
+
+    N = \sum_r \sum_m n_{rm}, \qquad g = \frac{1}{N} \sum_r \sum_m n_{rm}\, \bar g_{rm}.
+
+Each rank multiplies microbatch :math:`m`'s loss by :meth:`Window.add`'s scale, so that its accumulated gradient
+is :math:`\sum_m n_{rm} \bar g_{rm} / c_r` (:class:`LossScale` names :math:`c_r`), and sends
+:meth:`Window.payload` to a SUM over ranks. The engine's adapter brings :math:`N` to the gradients (inside DDP's
+communication hook, or as one division of FSDP's gradient shards) and hands the summed payload to
+:meth:`Window.finish`, which gives every rank the same result, or the same error.
+
+Worked trace: ``w = 10``, per-item loss :math:`\tfrac12 (w - y)^2`; rank 0 holds targets ``[9, 9]``
+(``n = 2``, mean gradient 1), rank 1 holds ``[7] * 6`` (``n = 6``, mean gradient 3).
+:math:`g = (2 \cdot 1 + 6 \cdot 3) / 8 = 2.5`, where plain DDP averages means: :math:`(1 + 3) / 2 = 2`, and one
+SGD step with lr 0.1 lands on ``9.75`` instead of ``9.8``. Against a mean-across-:math:`P`-ranks reducer the
+weights are the scales :math:`P n_r / N = 0.5` and :math:`1.5`; with equal counts everywhere and one
+microbatch per window, dividing by :math:`N / c_r` is dividing by :math:`P`, plain DDP's average.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from torch import Tensor
+
+from lightning_weighted._counts import MAX_ITEMS, Count, CountPayload, CountProblem, decode
+
+__all__ = ["LossScale", "Window", "WindowResult"]
+
+
+class LossScale(Enum):
+    r"""What a rank's microbatch losses are scaled to, :math:`c_r` in the objective's terms.
+
+    - ``ITEM_SUM``: :math:`c_r = 1`; losses are sums over items, the gradients are divided by :math:`N` once
+      (after their SUM or before it).
+    - ``MEAN_SIZED``: :math:`c_r = n^{\mathrm{ref}}_r`, the rank's first positive count of the window: losses stay
+      of the size of a mean, for reductions that would overflow with item sums (fp16), and are untouched with
+      one microbatch per window.
+    """
+
+    ITEM_SUM = "item_sum"
+    MEAN_SIZED = "mean_sized"
+
+
+@dataclass(frozen=True)
+class WindowResult:
+    """What the count reduction of one optimizer step found, the same on every rank except ``local_items``.
+
+    Attributes:
+        step: the optimizer step (``global_step``) the window ended at.
+        items: the global item count ``N`` of the window; 0 means the step changed nothing.
+        local_items: this rank's items in the window.
+        loss: the global item mean of the loss, ``Σ_r Σ_m n_rm · loss_rm / N`` (NaN when ``N = 0``).
+        ranks_with_more: how many ranks hold real batches after this window.
+    """
+
+    step: int
+    items: float
+    local_items: float
+    loss: float
+    ranks_with_more: int = 0
+
+
+class Window:
+    """One rank's account of one accumulation window.
+
+    Args:
+        scale: what the losses are scaled to (see :class:`LossScale`).
+
+    Example (rank 1 of the worked trace, whose one microbatch holds 6 items)::
+
+        >>> import torch
+        >>> window = Window(LossScale.ITEM_SUM)
+        >>> window.add(Count(6.0), loss=torch.tensor(4.0))  # its mean loss, times 6: an item sum
+        6.0
+        >>> payload = window.payload(rank=1, more=False)
+        >>> (payload.items, float(payload.loss_sum))
+        (6.0, 24.0)
+    """
+
+    __slots__ = ("items", "loss_sum", "problem", "reference", "scale")
+
+    def __init__(self, scale: LossScale = LossScale.ITEM_SUM) -> None:
+        self.scale = scale
+        self.items = 0.0
+        self.reference = 1.0 if scale is LossScale.ITEM_SUM else 0.0  # c_r; 0 until a positive count arrives
+        self.problem: tuple[CountProblem, float] | None = None
+        self.loss_sum: Tensor | None = None  # Σ_m n_m · loss_m on the loss's device
+
+    def add(self, count: Count, loss: Tensor | None = None, item_sum: bool = False) -> float:
+        """Records one microbatch; returns the factor its loss is multiplied by (0: it contributes nothing).
+
+        Args:
+            count: the microbatch's count; an invalid one is recorded as the window's problem.
+            loss: the microbatch's loss (kept detached for the window's loss, never read on the host).
+            item_sum: whether ``loss`` is a sum over the items rather than their mean.
+        """
+        if count.problem is not None:
+            self.reject(count.problem, count.value)
+            return 0.0
+        n = count.value
+        if n == 0:
+            return 0.0  # exactly nothing, also from the NaN mean of a fully masked microbatch
+        if self.items + n >= MAX_ITEMS:
+            self.reject(CountProblem.TOO_LARGE, self.items + n)
+            return 0.0
+        if self.reference == 0:
+            self.reference = n
+        self.items += n
+        as_sum = 1.0 if item_sum else n
+        if loss is not None:
+            contribution = loss.detach().double().sum() * as_sum
+            self.loss_sum = contribution if self.loss_sum is None else self.loss_sum + contribution
+        return as_sum / self.reference
+
+    def reject(self, problem: CountProblem, value: float = math.nan) -> None:
+        """Records a microbatch that cannot be weighted; the window reports its first one."""
+        if self.problem is None:
+            self.problem = (problem, value)
+
+    def payload(self, rank: int, more: bool = True) -> CountPayload:
+        """This rank's contribution to the window's count SUM.
+
+        Args:
+            rank: this rank's index in the group the counts are summed over.
+            more: whether this rank holds real batches after this window (see :mod:`.participation`).
+        """
+        return CountPayload(self.items, self.problem, rank, more, self.loss_sum)
+
+    def finish(self, summed: Sequence[float], step: int = 0) -> WindowResult:
+        """The window's result from the SUM of every rank's payload; raises its error, the same on every rank."""
+        total = decode(summed)
+        if total.error is not None:
+            raise total.error
+        loss = total.loss_sum / total.items if total.items > 0 else math.nan
+        return WindowResult(step, total.items, self.items, loss, total.ranks_with_more)
