@@ -9,18 +9,15 @@ from typing import Any
 import pytest
 import torch
 from drop_in_worker import Config
-from harness import fit, run_worker
+from harness import fit
 from scenario import Config as Scenario
 from scenario import max_relative_error, reference
 
 
 def run(config: Config, tmp_path: Path, expect_failure: bool = False) -> Any:
-    out, done = run_worker("drop_in_worker.py", config, tmp_path, timeout=150)
     if expect_failure:
-        assert done.returncode != 0, done.stdout[-4000:]
-        return done.stdout
-    assert done.returncode == 0, done.stdout[-8000:]
-    return [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(config.world_size)], done.stdout
+        return fit(config, tmp_path, timeout=150, expect_failure=True, script="drop_in_worker.py").stdout
+    return fit(config, tmp_path, timeout=150, output=True, script="drop_in_worker.py")
 
 
 @pytest.mark.parametrize(("precision", "rtol"), [("32-true", 1e-5), ("bf16-mixed", 2e-2)])
