@@ -185,3 +185,19 @@ def test_float16_and_lightnings_unsupported_precisions_are_refused_at_setup_on_e
     assert done.stdout.count(message) == 2, done.stdout[-4000:]
     if "float16" in message:
         assert "Compute and reduce in bfloat16 or float32" in done.stdout
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_audit_passes_the_weighted_strategy_and_flags_the_plain_one(tmp_path, strategy):
+    # uneven token counts and a replaying rank (lengths 5 and 3): every step of the weighted run is the reference's
+    config = ShardedConfig(strategy=strategy, accumulate=2, lengths=(5, 3), audit=True)
+    weighted = fit_sharded(config, tmp_path)
+    reports = weighted[0]["audits"]
+    assert len(reports) == 3 and reports == weighted[1]["audits"]  # the same verdict on every rank
+    assert all(r["passed"] and r["objective_error"] < 1e-5 for r in reports)
+    expected = reference(config)
+    assert [r["expected_norm"] for r in reports] == pytest.approx(expected["norms"], rel=1e-5)
+    assert max_relative_error(weighted[0]["params"], expected["params"]) < 1e-5  # the audit only observes
+    plain = dataclasses.replace(config, strategy=PLAIN[strategy], lengths=(4, 4))  # plain needs even ranks
+    done = fit_sharded(plain, tmp_path, expect_failure=True)  # on_mismatch="raise"
+    assert done.stdout.count("ObjectiveMismatchError: ObjectiveAudit at step 0:") == 2, done.stdout[-3000:]
