@@ -98,14 +98,9 @@ class WeightedModelParallelStrategy(TrainerAdapter, ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        # Lightning's "auto" is one data-parallel group per node; here every rank is data-parallel unless told.
         world = self.num_nodes * self.num_processes
-        data, tensor = self._data_parallel_size, self._tensor_parallel_size
-        if data == "auto":
-            data = world // (1 if tensor == "auto" else tensor)
-        if tensor == "auto":
-            tensor = max(world // data, 1)
-        self._data_parallel_size, self._tensor_parallel_size = data, tensor
+        sizes = mesh_sizes(world, self._data_parallel_size, self._tensor_parallel_size)
+        self._data_parallel_size, self._tensor_parallel_size = sizes
         super().setup_environment()
 
     @override
@@ -149,6 +144,21 @@ class WeightedModelParallelStrategy(TrainerAdapter, ModelParallelStrategy):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         finally:
             self._reduce.empty = False
+
+
+def mesh_sizes(world: int, data: int | Literal["auto"], tensor: int | Literal["auto"]) -> tuple[int, int]:
+    """``(data_parallel_size, tensor_parallel_size)``: every rank data-parallel unless told otherwise.
+
+    Lightning's own ``"auto"`` is one data-parallel rank per node; here it is what the other size leaves.
+
+    Example::
+
+        >>> mesh_sizes(8, "auto", "auto"), mesh_sizes(8, "auto", 2), mesh_sizes(8, 2, "auto")
+        ((8, 1), (4, 2), (2, 4))
+    """
+    if data == "auto":
+        data = world // (1 if tensor == "auto" else tensor)
+    return data, max(world // data, 1) if tensor == "auto" else tensor
 
 
 def sharded_zero_loss(strategy: TrainerAdapter, state: ShardedReduceState, loss: Tensor | None) -> Tensor:
