@@ -17,6 +17,7 @@ its repeats and its report section.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import logging
@@ -209,23 +210,26 @@ class _Final(Callback):
 
 
 class ShardedCounter(CollectiveCounter):
-    """`CollectiveCounter` plus the entry points FSDP calls with keyword tensors (`reduce_scatter_single`)."""
+    """`CollectiveCounter` plus the entry points FSDP calls with keyword tensors (`reduce_scatter_single`) and the
+    list form of `all_gather` (FSDP1's), each counted by the tensor this rank sends."""
 
     def install(self) -> None:
         super().install()
-        for name in ("reduce_scatter_single", "all_gather_single"):
-            original = getattr(dist, name, None)
-            if original is not None and name not in self._originals:
+        sent = {"reduce_scatter_single": "input", "all_gather_single": "input", "all_gather": 1}
+        for name, where in sent.items():
+            original = self._originals.get(name, getattr(dist, name, None))
+            if original is not None:
                 self._originals[name] = original
-                setattr(dist, name, self._keyword(name, original))
+                setattr(dist, name, self._sending(name, original, where))
 
-    def _keyword(self, name: str, original: Any) -> Any:
+    def _sending(self, name: str, original: Any, where: str | int) -> Any:
         def counting(*args: Any, **kwargs: Any) -> Any:
             if self.active:
-                tensor = kwargs.get("input", args[1] if len(args) > 1 else None)
-                self.calls.append(
-                    (name, str(tensor.dtype).removeprefix("torch."), tensor.numel() * tensor.element_size())
-                )
+                tensor = kwargs.get(where) if isinstance(where, str) else None
+                if tensor is None:
+                    tensor = args[1] if len(args) > 1 else kwargs.get("tensor")
+                dtype = str(tensor.dtype).removeprefix("torch.")
+                self.calls.append((name, dtype, tensor.numel() * tensor.element_size()))
             return original(*args, **kwargs)
 
         return counting
@@ -235,7 +239,7 @@ def kinds(calls: Sequence[tuple[str, str, int]]) -> dict[str, list[float]]:
     """``{kind[dtype]: [calls, bytes]}`` of one optimizer step; the reduce-scatter names merged."""
     totals: dict[str, list[float]] = {}
     for name, dtype, size in calls:
-        key = f"{name.replace('_single', '_tensor')}[{dtype}]"
+        key = f"{name.replace('_single', '_tensor').replace('all_gather_tensor', 'all_gather')}[{dtype}]"
         entry = totals.setdefault(key, [0, 0])
         entry[0] += 1
         entry[1] += size
@@ -295,6 +299,9 @@ def memory_run(point: Point, variant: str, rank: int, timeout: float) -> dict[st
     """Peak resident memory growth over the timed steps of one variant, alone in its process group."""
     from raw_step import _reset_peak_rss, _rss_kib
 
+    # Large blocks straight from mmap: a freed tensor leaves the resident set, so its peak is the live memory's
+    # (with the allocator's reuse, the peak of one run varied by up to 70 MB at 20M parameters).
+    ctypes.CDLL(None).mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
     fit = Fit(variant, point, rank, timeout)
     fit.start()
     for _ in range(point.warmup + 1):  # set-up and the warm-up windows
@@ -315,7 +322,9 @@ def memory_run(point: Point, variant: str, rank: int, timeout: float) -> dict[st
         "variant": variant,
         "peak_delta_bytes": (peak - before) * 1024 if reset else None,
         "parameter_bytes": parameter_bytes,
-        "method": "VmHWM after clear_refs",
+        "method": "VmHWM after clear_refs, blocks of 64 KiB or more mmap-ed",
+        "point": point.label,
+        "steps": point.rounds,
     }
 
 
@@ -368,8 +377,11 @@ def section(data: dict[str, Any]) -> str:
     entries, memory = data.get("sharded") or [], data.get("sharded_memory") or []
     if not entries:
         return ""
+    meta = data.get("sharded_meta") or data["meta"]
     lines = [
         "## Sharded strategies (Lightning Trainer step, FSDP2 and FSDP1)",
+        "",
+        f"Measured {meta['date']} with `{meta['command']}` ({meta['seconds'] / 60:.1f} min wall), 2 gloo ranks.",
         "",
         "Each weighted strategy beside its plain counterpart, whole `Trainer.fit`s interleaved in the same rounds"
         " as in the Trainer benchmark (`sharded_step.py`): **plain FSDP2** is Lightning's `ModelParallelStrategy`"
@@ -392,7 +404,7 @@ def section(data: dict[str, Any]) -> str:
             f" {_cell(e['ratio']['fsdp_weighted'])} |"
             f" {devs or '–'} |"
         )
-    lines += ["", "Collectives per optimizer step (calls, bytes sent per rank), counted over one warm-up step:", ""]
+    lines += ["", "Collectives per optimizer step (calls, bytes each rank sends), counted over one warm-up step:", ""]
     lines += ["| point | variant | collectives |", "|---|---|---|"]
     for e in entries:
         p = e["point"]
@@ -401,7 +413,12 @@ def section(data: dict[str, Any]) -> str:
             listed = ", ".join(f"{k} ×{int(v[0])} ({int(v[1]):,} B)" for k, v in sorted(counted.items()))
             lines.append(f"| {p['size']} A={p['accumulate']} | {TITLES[name]} | {listed} |")
     if memory:
-        lines += ["", "Peak resident memory growth over the timed steps, one variant per process group:", ""]
+        lines += [
+            "",
+            f"Peak resident memory growth over {memory[0]['steps']} optimizer steps at {memory[0]['point']}, one"
+            f" variant per process group ({memory[0]['method']}), the larger rank's:",
+            "",
+        ]
         lines += ["| variant | peak RSS growth (MB) | one gradient (MB) |", "|---|---:|---:|"]
         for m in memory:
             grow = "–" if m["peak_delta_bytes"] is None else f"{m['peak_delta_bytes'] / 1e6:.1f}"

@@ -47,7 +47,10 @@ __all__ = [
     "spread",
 ]
 
-_FIX = f"Train with a weighted strategy (`strategy='ddp_weighted'`, after `import lightning_weighted`). {FIX}"
+_FIX = (
+    "Train with a weighted strategy (`strategy='ddp_weighted'`, 'fsdp2_weighted' or 'fsdp_weighted' under FSDP,"
+    f" after `import lightning_weighted`). {FIX}"
+)
 
 
 class ObjectiveMismatchError(RuntimeError):

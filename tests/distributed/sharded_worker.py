@@ -18,7 +18,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
-from scenario import Config, WeightedModule, make_batches
+from scenario import Config, WeightedModule, make_batches, shared_dataset
 from torch import Tensor, nn
 from worker import Recorder, make_counter, rank_arguments
 
@@ -105,6 +105,8 @@ class ShardedModule(WeightedModule):
         from scenario import _EpochList, _EpochStream
         from torch.utils.data import DataLoader
 
+        if self.config.items is not None:  # one data set, sharded by Lightning's sampler (which the strategy swaps)
+            return DataLoader(shared_dataset(self.config), batch_size=self.config.batch_size, shuffle=True)
         epochs = [make_batches(self.config, self.data_rank, e) for e in range(self.config.epochs)]
         if self.config.iterable:
             return DataLoader(_EpochStream(epochs, self), batch_size=None)
@@ -260,7 +262,7 @@ def main() -> None:
         enable_checkpointing=config.checkpoint,
         enable_progress_bar=False,
         enable_model_summary=False,
-        use_distributed_sampler=False,
+        use_distributed_sampler=config.items is not None,
         num_sanity_val_steps=0,
         limit_val_batches=0,
     )

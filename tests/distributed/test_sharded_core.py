@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import Counter
 
 import pytest
@@ -48,7 +49,16 @@ def test_a_window_without_items_leaves_params_optimizer_and_scheduler_bit_identi
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize(("lengths", "iterable"), [((5, 3), True), ((4, 0), False)])
 def test_uneven_batch_counts_train_the_global_item_mean_over_two_epochs(tmp_path, strategy, lengths, iterable):
-    config = ShardedConfig(strategy=strategy, lengths=lengths, iterable=iterable, accumulate=2, epochs=2)
+    # the unsized run counts with ItemCounter (the mask) and returns a bare mean
+    config = ShardedConfig(
+        strategy=strategy,
+        lengths=lengths,
+        iterable=iterable,
+        accumulate=2,
+        epochs=2,
+        counter="mask" if iterable else None,
+        bare_loss=iterable,
+    )
     result = fit_sharded(config, tmp_path)
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
     steps = -(-max(lengths) // 2)
@@ -56,6 +66,15 @@ def test_uneven_batch_counts_train_the_global_item_mean_over_two_epochs(tmp_path
     for rank, held in zip(result, lengths, strict=True):
         assert rank["global_step"] == 2 * steps  # the same step on every rank
         assert rank["padding"] == ([False] * held + [True] * (ran - held)) * 2  # replays of an exhausted rank
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_data_set_not_divisible_by_ranks_batch_and_window_counts_each_item_once(tmp_path, strategy):
+    # 37 items, batch 4, 2 ranks, A = 3: Lightning's padding sampler (swapped here) would train one item twice
+    config = ShardedConfig(strategy=strategy, items=37, batch_size=4, accumulate=3, epochs=2, mode="weights")
+    result = fit_sharded(config, tmp_path)
+    assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
+    assert result[0]["global_step"] == result[1]["global_step"] == 2 * 2  # 5 batches: windows of 3 and 2
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -82,6 +101,17 @@ def test_a_bad_count_on_one_rank_raises_the_same_error_on_every_rank_before_the_
     config = ShardedConfig(strategy=strategy, accumulate=2, bad_count=[1, 3, value])
     done = fit_sharded(config, tmp_path, timeout=90, expect_failure=True)
     assert done.stdout.count(f"{error}: {message}") == 2, done.stdout[-4000:]  # raised on both ranks
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("kind", ["raise", "kill"])
+def test_a_rank_failing_mid_window_ends_every_rank_well_within_the_timeout(tmp_path, strategy, kind):
+    # rank 1 fails in the middle microbatch of the second window; rank 0 waits in a collective until it is gone
+    config = ShardedConfig(strategy=strategy, accumulate=3, fault=[kind, 1, 4], pg_timeout=10)
+    started = time.monotonic()
+    done = fit_sharded(config, tmp_path, timeout=60, expect_failure=True)
+    assert time.monotonic() - started < 10 + 10  # the fault catalogue's T: timeout + 10 s
+    assert kind == "kill" or "injected raise on rank 1" in done.stdout
 
 
 @pytest.mark.parametrize("kind", ["none", "nograd"])

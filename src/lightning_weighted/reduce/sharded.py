@@ -70,14 +70,12 @@ class ShardedReduceState:
             before the backward of a microbatch that holds no item (count 0) and clear it after.
     """
 
-    __slots__ = ("_payload", "_pending", "empty", "process_group")
+    __slots__ = ("_pending", "empty", "process_group")
 
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
         self.process_group = process_group
         self.empty = False
-        # the window in progress
-        self._payload: CountPayload | None = None
-        self._pending: Future[Tensor] | None = None
+        self._pending: Future[Tensor] | None = None  # the window's count SUM in flight
 
     def __getstate__(self) -> dict[str, Any]:
         # Like `PowerSGDState`: a process group and a pending collective do not pickle.
@@ -101,7 +99,6 @@ class ShardedReduceState:
                 the rank's index in :attr:`process_group`.
             device: where the gradients live (the payload travels there).
         """
-        self._payload = payload
         self._pending = sum_counts(payload, device, self.process_group)
 
     def counts(self) -> list[float]:
@@ -112,7 +109,7 @@ class ShardedReduceState:
                 " backward that ends each accumulation window"
             )
         summed: list[float] = self._pending.wait().tolist()
-        self._payload = self._pending = None
+        self._pending = None
         return summed
 
 

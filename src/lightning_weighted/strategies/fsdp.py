@@ -20,19 +20,9 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_weighted._counts import CountPayload
 from lightning_weighted.participation import Policy
-from lightning_weighted.reduce.sharded import (
-    FP16_FIX,
-    ShardedReduceState,
-    divide_gradients,
-    flat_parameters,
-    weighted_reduce_scatter_hook,
-    zero_gradients,
-)
-from lightning_weighted.strategies._trainer import TrainerAdapter
-from lightning_weighted.strategies.model_parallel import sharded_zero_loss
-from lightning_weighted.window import LossScale
+from lightning_weighted.reduce.sharded import FP16_FIX, flat_parameters, weighted_reduce_scatter_hook, zero_gradients
+from lightning_weighted.strategies._sharded import ShardedAdapter
 
 __all__ = ["WeightedFSDPStrategy"]
 
@@ -107,7 +97,7 @@ def _full_state_dict_in_place(module: Module) -> contextlib.AbstractContextManag
     )
 
 
-class WeightedFSDPStrategy(TrainerAdapter, AnyDeviceFSDPStrategy):
+class WeightedFSDPStrategy(ShardedAdapter, AnyDeviceFSDPStrategy):
     """FSDP1 that optimises the mean over every valid item of each optimizer step, on every rank and microbatch.
 
     Takes ``FSDPStrategy``'s arguments (auto-wrap policy, sharding strategy, mixed precision, activation
@@ -155,7 +145,6 @@ class WeightedFSDPStrategy(TrainerAdapter, AnyDeviceFSDPStrategy):
                 " the hybrid strategies). Use 'FULL_SHARD' or 'SHARD_GRAD_OP', or `strategy='ddp_weighted'` in place"
                 " of 'NO_SHARD'."
             )
-        self._reduce = ShardedReduceState()
         self._zeroing: list[RemovableHandle] = []
 
     @classmethod
@@ -196,35 +185,14 @@ class WeightedFSDPStrategy(TrainerAdapter, AnyDeviceFSDPStrategy):
         return self._reduce.process_group
 
     @override
-    def _loss_scale(self) -> LossScale:
-        return LossScale.ITEM_SUM
-
-    @override
-    def _start_sync(self, payload: CountPayload, reference: float) -> None:
-        self._reduce.begin_window(payload, self.root_device)
-
-    @override
-    def _summed_counts(self) -> list[float]:
-        return self._reduce.counts()
-
-    @override
-    def _normalize(self, items: float) -> None:
-        assert self.model is not None
-        divide_gradients(self.model.parameters(), items)
-
-    @override
     def _zero_loss(self, loss: Tensor | None) -> Tensor:
-        zero = sharded_zero_loss(self, self._reduce, loss)
+        zero = super()._zero_loss(loss)
         assert self.model is not None
-        self._zeroing = zero_gradients(flat_parameters(self.model))
+        self._zeroing = zero_gradients(flat_parameters(self.model))  # before the gradient accumulates
         return zero
 
     @override
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        try:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        finally:
-            self._reduce.empty = False
-            for handle in self._zeroing:
-                handle.remove()
-            self._zeroing = []
+    def _after_backward(self) -> None:
+        for handle in self._zeroing:
+            handle.remove()
+        self._zeroing = []

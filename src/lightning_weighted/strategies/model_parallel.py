@@ -3,35 +3,25 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Literal
 
 import torch.distributed as dist
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch import Tensor
-from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_weighted._counts import CountPayload
 from lightning_weighted.participation import Policy
-from lightning_weighted.reduce.sharded import (
-    FP16_FIX,
-    ShardedReduceState,
-    data_parallel_group,
-    divide_gradients,
-    reduce_with_sum,
-)
-from lightning_weighted.strategies._trainer import TrainerAdapter
-from lightning_weighted.window import LossScale
+from lightning_weighted.reduce.sharded import FP16_FIX, data_parallel_group, reduce_with_sum
+from lightning_weighted.strategies._sharded import ShardedAdapter
 
 __all__ = ["WeightedModelParallelStrategy"]
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)  # Lightning's and torch's default process-group timeout
 
 
-class WeightedModelParallelStrategy(TrainerAdapter, ModelParallelStrategy):
+class WeightedModelParallelStrategy(ShardedAdapter, ModelParallelStrategy):
     """FSDP2 that optimises the mean over every valid item of each optimizer step, on every rank and microbatch.
 
     The module applies ``fully_shard`` in ``configure_model`` over ``self.device_mesh["data_parallel"]`` (and
@@ -84,7 +74,7 @@ class WeightedModelParallelStrategy(TrainerAdapter, ModelParallelStrategy):
             timeout=timeout,
             participation=participation,
         )
-        self._reduce = ShardedReduceState()
+        self._data_parallel_group: dist.ProcessGroup | None = None  # once the device mesh exists
 
     @classmethod
     @override
@@ -110,40 +100,13 @@ class WeightedModelParallelStrategy(TrainerAdapter, ModelParallelStrategy):
             raise MisconfigurationException(f"fsdp2_weighted would compute in float16 ({precision=}). {FP16_FIX}.")
         super().setup(trainer)
         assert self.model is not None
+        self._data_parallel_group = data_parallel_group(self.device_mesh)
         self._reduce.process_group = self._count_group()
         reduce_with_sum(self.model, self._reduce)
 
     @override
     def _count_group(self) -> dist.ProcessGroup | None:
-        return data_parallel_group(self.device_mesh)
-
-    @override
-    def _loss_scale(self) -> LossScale:
-        return LossScale.ITEM_SUM
-
-    @override
-    def _start_sync(self, payload: CountPayload, reference: float) -> None:
-        self._reduce.begin_window(payload, self.root_device)
-
-    @override
-    def _summed_counts(self) -> list[float]:
-        return self._reduce.counts()
-
-    @override
-    def _normalize(self, items: float) -> None:
-        assert self.model is not None
-        divide_gradients(self.model.parameters(), items)
-
-    @override
-    def _zero_loss(self, loss: Tensor | None) -> Tensor:
-        return sharded_zero_loss(self, self._reduce, loss)
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        try:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        finally:
-            self._reduce.empty = False
+        return self._data_parallel_group
 
 
 def mesh_sizes(world: int, data: int | Literal["auto"], tensor: int | Literal["auto"]) -> tuple[int, int]:
@@ -159,23 +122,3 @@ def mesh_sizes(world: int, data: int | Literal["auto"], tensor: int | Literal["a
     if data == "auto":
         data = world // (1 if tensor == "auto" else tensor)
     return data, max(world // data, 1) if tensor == "auto" else tensor
-
-
-def sharded_zero_loss(strategy: TrainerAdapter, state: ShardedReduceState, loss: Tensor | None) -> Tensor:
-    """What a count-0 microbatch backpropagates under a sharded engine: its own graph, its gradient zeroed.
-
-    The backward must run, since its all-gathers and reduce-scatters are collectives every rank takes part in; the
-    gradient it computes (NaN for a fully masked mean) is replaced by exact zeros on its way into the reduction.
-    A ``training_step`` that returned no loss, or one without a graph, leaves this rank nothing to run that
-    backward with: it raises here, and its peers fail as its connections close.
-    """
-    if loss is None or loss.grad_fn is None:
-        what = "None" if loss is None else "a loss that is not attached to the graph"
-        raise RuntimeError(
-            f"On rank {strategy.global_rank}, training_step returned {what}. Under {strategy.strategy_name} every"
-            " rank must run each microbatch's backward through the sharded model, whose collectives the other ranks"
-            " wait in. Return the loss of the model's forward (with `'count': 0` for a microbatch that holds no"
-            " item)."
-        )
-    state.empty = True
-    return loss.sum() * 0.0
