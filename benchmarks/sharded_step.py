@@ -52,7 +52,7 @@ from common import (
 from trainer_step import WAIT_S, PlainModule, WeightedModule, _Sized
 
 import lightning_weighted
-from lightning_weighted.strategies.fsdp import AnyDeviceFSDPStrategy
+from lightning_weighted import AnyDeviceFSDPStrategy
 
 VARIANTS = ("fsdp2", "fsdp2_control", "fsdp2_weighted", "fsdp", "fsdp_weighted")
 PAIRS = {"fsdp2_weighted": "fsdp2", "fsdp2_control": "fsdp2", "fsdp_weighted": "fsdp"}  # variant -> baseline

@@ -42,8 +42,8 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch import Tensor, nn
 
 import lightning_weighted
+from lightning_weighted import AnyDeviceFSDPStrategy
 from lightning_weighted.audit import ObjectiveAudit, is_replaying
-from lightning_weighted.strategies.fsdp import AnyDeviceFSDPStrategy
 
 IGNORE = -100
 PLAIN = {"ddp": DDPStrategy, "fsdp2": ModelParallelStrategy, "fsdp": AnyDeviceFSDPStrategy}

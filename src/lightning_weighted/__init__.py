@@ -12,10 +12,16 @@ from lightning_weighted.counting import ItemCounter, count_examples, count_token
 from lightning_weighted.participation import UnpaddedDistributedSampler
 from lightning_weighted.reduce.ddp_hook import WeightedReduceState, weighted_allreduce_hook
 from lightning_weighted.reduce.sharded import ShardedReduceState
-from lightning_weighted.strategies import WeightedDDPStrategy, WeightedFSDPStrategy, WeightedModelParallelStrategy
+from lightning_weighted.strategies import (
+    AnyDeviceFSDPStrategy,
+    WeightedDDPStrategy,
+    WeightedFSDPStrategy,
+    WeightedModelParallelStrategy,
+)
 from lightning_weighted.window import LossScale, Window, WindowResult
 
 __all__ = [
+    "AnyDeviceFSDPStrategy",
     "AuditReport",
     "ItemCounter",
     "LossScale",

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from worker import Recorder, make_counter, rank_arguments
 
 import lightning_weighted
-from lightning_weighted.strategies.fsdp import AnyDeviceFSDPStrategy
+from lightning_weighted import AnyDeviceFSDPStrategy
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -38,6 +38,7 @@ class ShardedConfig(Config):
     world_counts: bool = False  # count over every process: the wrong group under tensor parallelism
     sharding: str = "FULL_SHARD"  # FSDP1's sharding strategy
     sync_every_microbatch: bool = False  # FSDP1: reduce-scatter every microbatch instead of once per window
+    checkpointing: bool = False  # FSDP1: activation checkpointing of each Linear
     audit: bool = False  # ObjectiveAudit(every_n_steps=1, on_mismatch="raise")
     float64: bool = False  # a float64 model under precision="32-true", which leaves its dtype alone (FSDP2)
 
@@ -231,6 +232,7 @@ def make_strategy(config: ShardedConfig) -> Any:
         sharding_strategy=config.sharding,
         state_dict_type="full" if config.full_checkpoint else "sharded",
         mixed_precision=mixed,
+        activation_checkpointing_policy={nn.Linear} if config.checkpointing else None,
         **extra,
     )
 

@@ -20,9 +20,14 @@ PLAIN = {"fsdp2_weighted": "fsdp2", "fsdp_weighted": "fsdp"}
 )
 def test_fully_masked_microbatches_with_nan_means_contribute_exactly_zero(tmp_path, strategy, every_microbatch):
     # rank 0's microbatch 1 and rank 1's microbatch 4 have every token masked: their means are 0/0 = NaN; FSDP2
-    # zeroes them in its reduce-scatter, FSDP1 before they accumulate (once-per-window reduction) or in either way
+    # zeroes them in its reduce-scatter, FSDP1 before they accumulate (once per window, or every microbatch, here
+    # with activation checkpointing: the backward recomputes the forward)
     config = ShardedConfig(
-        strategy=strategy, accumulate=2, masked=[(0, 1), (1, 4)], sync_every_microbatch=every_microbatch
+        strategy=strategy,
+        accumulate=2,
+        masked=[(0, 1), (1, 4)],
+        sync_every_microbatch=every_microbatch,
+        checkpointing=every_microbatch,
     )
     result = fit_sharded(config, tmp_path)
     assert is_finite(result[0]["params"])

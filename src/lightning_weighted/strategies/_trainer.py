@@ -35,7 +35,8 @@ class TrainerAdapter(ParallelStrategy):
 
     Subclasses put it before their Lightning strategy (``class S(TrainerAdapter, DDPStrategy)``) and say how
     the window's counts meet their gradients: :meth:`_loss_scale`, :meth:`_start_sync` (before the backward that
-    ends a window), :meth:`_summed_counts` (after it), and optionally :meth:`_normalize` and :meth:`_zero_loss`.
+    ends a window), :meth:`_summed_counts` (after it), and optionally :meth:`_normalize`, :meth:`_zero_loss` and
+    :meth:`_count_group` (the ranks whose counts are summed, when not all of them).
     """
 
     strategy_name: str

@@ -24,7 +24,7 @@ from lightning_weighted.participation import Policy
 from lightning_weighted.reduce.sharded import FP16_FIX, flat_parameters, weighted_reduce_scatter_hook, zero_gradients
 from lightning_weighted.strategies._sharded import ShardedAdapter
 
-__all__ = ["WeightedFSDPStrategy"]
+__all__ = ["AnyDeviceFSDPStrategy", "WeightedFSDPStrategy"]
 
 _REFUSED_SHARDING = ("NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 

@@ -89,7 +89,7 @@ class WeightedModelParallelStrategy(ShardedAdapter, ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         world = self.num_nodes * self.num_processes
-        sizes = mesh_sizes(world, self._data_parallel_size, self._tensor_parallel_size)
+        sizes = _mesh_sizes(world, self._data_parallel_size, self._tensor_parallel_size)
         self._data_parallel_size, self._tensor_parallel_size = sizes
         super().setup_environment()
 
@@ -109,14 +109,14 @@ class WeightedModelParallelStrategy(ShardedAdapter, ModelParallelStrategy):
         return self._data_parallel_group
 
 
-def mesh_sizes(world: int, data: int | Literal["auto"], tensor: int | Literal["auto"]) -> tuple[int, int]:
+def _mesh_sizes(world: int, data: int | Literal["auto"], tensor: int | Literal["auto"]) -> tuple[int, int]:
     """``(data_parallel_size, tensor_parallel_size)``: every rank data-parallel unless told otherwise.
 
     Lightning's own ``"auto"`` is one data-parallel rank per node; here it is what the other size leaves.
 
     Example::
 
-        >>> mesh_sizes(8, "auto", "auto"), mesh_sizes(8, "auto", 2), mesh_sizes(8, 2, "auto")
+        >>> _mesh_sizes(8, "auto", "auto"), _mesh_sizes(8, "auto", 2), _mesh_sizes(8, 2, "auto")
         ((8, 1), (4, 2), (2, 4))
     """
     if data == "auto":
