@@ -1,8 +1,8 @@
 """Count-weighted distributed training for Lightning: every optimizer step optimises the global item mean.
 
-Importing this package registers ``"ddp_weighted"``, ``"ddp_weighted_spawn"``, ``"ddp_weighted_fork"`` and
-``"ddp_weighted_find_unused_parameters_true"`` in Lightning's ``StrategyRegistry``. The objective is stated in
-:mod:`lightning_weighted.window`.
+Importing this package registers ``"ddp_weighted"``, ``"ddp_weighted_spawn"``, ``"ddp_weighted_fork"``,
+``"ddp_weighted_find_unused_parameters_true"``, ``"fsdp2_weighted"`` (FSDP2) and ``"fsdp_weighted"`` (FSDP1) in
+Lightning's ``StrategyRegistry``. The objective is stated in :mod:`lightning_weighted.window`.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
@@ -11,17 +11,27 @@ from lightning_weighted.audit import AuditReport, ObjectiveAudit, ObjectiveMisma
 from lightning_weighted.counting import ItemCounter, count_examples, count_tokens, count_weights
 from lightning_weighted.participation import UnpaddedDistributedSampler
 from lightning_weighted.reduce.ddp_hook import WeightedReduceState, weighted_allreduce_hook
-from lightning_weighted.strategies import WeightedDDPStrategy
+from lightning_weighted.reduce.sharded import ShardedReduceState
+from lightning_weighted.strategies import (
+    AnyDeviceFSDPStrategy,
+    WeightedDDPStrategy,
+    WeightedFSDPStrategy,
+    WeightedModelParallelStrategy,
+)
 from lightning_weighted.window import LossScale, Window, WindowResult
 
 __all__ = [
+    "AnyDeviceFSDPStrategy",
     "AuditReport",
     "ItemCounter",
     "LossScale",
     "ObjectiveAudit",
     "ObjectiveMismatchError",
+    "ShardedReduceState",
     "UnpaddedDistributedSampler",
     "WeightedDDPStrategy",
+    "WeightedFSDPStrategy",
+    "WeightedModelParallelStrategy",
     "WeightedReduceState",
     "Window",
     "WindowResult",
@@ -35,3 +45,5 @@ __all__ = [
 __version__ = "0.1.0"
 
 WeightedDDPStrategy.register_strategies(StrategyRegistry)
+WeightedModelParallelStrategy.register_strategies(StrategyRegistry)
+WeightedFSDPStrategy.register_strategies(StrategyRegistry)

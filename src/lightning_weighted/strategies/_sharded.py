@@ -1,0 +1,78 @@
+"""What the sharded Trainer strategies (FSDP2, FSDP1) share: how the window's counts meet their gradient shards."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_weighted._counts import CountPayload
+from lightning_weighted.participation import Policy
+from lightning_weighted.reduce.sharded import ShardedReduceState, divide_gradients
+from lightning_weighted.strategies._trainer import TrainerAdapter
+from lightning_weighted.window import LossScale
+
+__all__ = ["ShardedAdapter"]
+
+
+class ShardedAdapter(TrainerAdapter):
+    """The engine hooks of a sharded strategy (see :mod:`lightning_weighted.reduce.sharded`).
+
+    Losses are item sums; the window's counts are summed by one float64 all-reduce started before the backward
+    that ends the window; the local gradient shards are divided by ``N`` before clipping; an empty microbatch runs
+    its backward with :attr:`ShardedReduceState.empty` set, so its gradient reaches the reduction as exact zeros.
+    Subclasses put it before their Lightning strategy and configure the engine's reduction with ``_reduce``.
+    """
+
+    def __init__(self, *args: Any, participation: Policy = "pad", **kwargs: Any) -> None:
+        super().__init__(*args, participation=participation, **kwargs)
+        self._reduce = ShardedReduceState()
+
+    @override
+    def _loss_scale(self) -> LossScale:
+        return LossScale.ITEM_SUM
+
+    @override
+    def _start_sync(self, payload: CountPayload, reference: float) -> None:
+        self._reduce.begin_window(payload, self.root_device)
+
+    @override
+    def _summed_counts(self) -> list[float]:
+        return self._reduce.counts()
+
+    @override
+    def _normalize(self, items: float) -> None:
+        assert self.model is not None
+        divide_gradients(self.model.parameters(), items)
+
+    @override
+    def _zero_loss(self, loss: Tensor | None) -> Tensor:
+        """The microbatch's own graph, run with its gradient zeroed on the way into the reduction.
+
+        Its backward must run: its all-gathers and reduce-scatters are collectives every rank takes part in. A
+        ``training_step`` that returned no loss, or one without a graph, leaves this rank nothing to run it with:
+        it raises here, and its peers fail as its connections close.
+        """
+        if loss is None or loss.grad_fn is None:
+            what = "None" if loss is None else "a loss that is not attached to the graph"
+            raise RuntimeError(
+                f"On rank {self.global_rank}, training_step returned {what}. Under {self.strategy_name} every rank"
+                " must run each microbatch's backward through the sharded model, whose collectives the other ranks"
+                " wait in. Return the loss of the model's forward (with `'count': 0` for a microbatch that holds no"
+                " item)."
+            )
+        self._reduce.empty = True
+        return loss.sum() * 0.0
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        finally:
+            self._reduce.empty = False
+            self._after_backward()
+
+    def _after_backward(self) -> None:
+        """Undoes what an empty microbatch's backward needed, beyond :attr:`ShardedReduceState.empty`."""

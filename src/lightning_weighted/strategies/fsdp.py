@@ -1,0 +1,198 @@
+"""``WeightedFSDPStrategy``: FSDP1 whose update is the gradient of the global item mean of each optimizer step."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setup_activation_checkpointing
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import Trainer
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import FSDPStrategy
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+from typing_extensions import override
+
+from lightning_weighted.participation import Policy
+from lightning_weighted.reduce.sharded import FP16_FIX, flat_parameters, weighted_reduce_scatter_hook, zero_gradients
+from lightning_weighted.strategies._sharded import ShardedAdapter
+
+__all__ = ["AnyDeviceFSDPStrategy", "WeightedFSDPStrategy"]
+
+_REFUSED_SHARDING = ("NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+
+
+class AnyDeviceFSDPStrategy(FSDPStrategy):
+    """Lightning's ``FSDPStrategy``, also on CPU (gloo).
+
+    Lightning refuses its own ``FSDPStrategy`` on CPU; FSDP1 runs there when wrapped with
+    ``device_id=torch.device("cpu")``, and its full state dicts when they are not "offloaded" to the CPU they are
+    on already (FSDP1 frees the unsharded parameters it offloads, and a CPU "offload" is the same memory). Nothing
+    else differs.
+    """
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not self._full_on_cpu():
+            return super().lightning_module_state_dict()
+        assert self.model is not None
+        with _full_state_dict_in_place(self.model):
+            state: dict[str, Any] = self.model.state_dict()
+        return state
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        if not self._full_on_cpu():
+            return super().optimizer_state(optimizer)
+        from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        assert self.model is not None
+        with _full_state_dict_in_place(self.model):
+            state = FullyShardedDataParallel.optim_state_dict(self.model, optimizer)
+            if self.global_rank == 0:  # the standard layout, as Lightning saves it
+                state = FullyShardedDataParallel.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, self.model)
+        return state
+
+    def _full_on_cpu(self) -> bool:
+        return self._state_dict_type == "full" and self.root_device.type == "cpu"
+
+    @override
+    def _setup_model(self, model: Module) -> Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if self.root_device.type != "cpu" or any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+            return super()._setup_model(model)
+        wrapped = FullyShardedDataParallel(
+            module=model,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=torch.device("cpu"),  # Lightning passes the device index, which is None on CPU
+            **self.kwargs,
+        )
+        _move_torchmetrics_to_device(wrapped, self.root_device)
+        _setup_activation_checkpointing(wrapped, self._activation_checkpointing_kwargs)
+        return wrapped
+
+
+def _full_state_dict_in_place(module: Module) -> contextlib.AbstractContextManager[Any]:
+    """FSDP1's full state-dict context of Lightning's checkpoints (rank 0 only), without the offload to the CPU."""
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return FSDP.state_dict_type(
+        module=module,
+        state_dict_type=StateDictType.FULL_STATE_DICT,
+        state_dict_config=FullStateDictConfig(offload_to_cpu=False, rank0_only=True),
+        optim_state_dict_config=FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True),
+    )
+
+
+class WeightedFSDPStrategy(ShardedAdapter, AnyDeviceFSDPStrategy):
+    """FSDP1 that optimises the mean over every valid item of each optimizer step, on every rank and microbatch.
+
+    Takes ``FSDPStrategy``'s arguments (auto-wrap policy, sharding strategy, mixed precision, activation
+    checkpointing, state-dict type) and runs on CPU too. ``training_step`` follows
+    :class:`~lightning_weighted.WeightedDDPStrategy`'s contract and rules, and the update is the one stated in
+    :mod:`lightning_weighted.window`.
+
+    Its communication hook SUM-reduce-scatters item-sum gradients once per window, as Lightning's ``FSDPStrategy``
+    does (the unsharded gradient is accumulated over the window's microbatches, an empty one's zeroed on its way
+    in), the window's counts are summed by one 48-byte all-reduce, and the local gradient shards are divided by
+    ``N`` before clipping and the optimizer (see :mod:`lightning_weighted.reduce.sharded`).
+
+    Args:
+        *args: ``FSDPStrategy``'s arguments. ``sharding_strategy`` must shard: ``"FULL_SHARD"`` (default) or
+            ``"SHARD_GRAD_OP"``; FSDP1 takes no communication hook for the hybrid ones, and ``"NO_SHARD"`` is
+            ``"ddp_weighted"``. Float16 computation or reduction (``"16-mixed"``, ``"16-true"``, a
+            ``mixed_precision`` in float16) is refused: item sums overflow it.
+        participation: ``"pad"`` lets a rank whose data ran out step with count 0 until every rank is done;
+            ``"strict"`` raises instead (see :mod:`lightning_weighted.participation`).
+        sync_every_microbatch: reduce-scatter every microbatch's gradient (as FSDP2 does) instead of once per
+            window: no unsharded gradient is held between microbatches, at the cost of ``A`` reduce-scatters per
+            optimizer step instead of one.
+        **kwargs: ``FSDPStrategy``'s keyword arguments.
+
+    Example::
+
+        >>> import lightning_weighted
+        >>> from lightning.pytorch import Trainer
+        >>> trainer = Trainer(strategy="fsdp_weighted", accelerator="cpu", devices=1, logger=False)
+        >>> type(trainer.strategy).__name__
+        'WeightedFSDPStrategy'
+    """
+
+    strategy_name = "fsdp_weighted"
+
+    def __init__(
+        self, *args: Any, participation: Policy = "pad", sync_every_microbatch: bool = False, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, participation=participation, **kwargs)
+        self.sync_every_microbatch = sync_every_microbatch
+        if self.sharding_strategy.name in _REFUSED_SHARDING:
+            raise ValueError(
+                f"`sharding_strategy={self.sharding_strategy.name!r}` does not shard gradients over every"
+                " data-parallel rank, which fsdp_weighted's reduction needs (FSDP1 takes no communication hook for"
+                " the hybrid strategies). Use 'FULL_SHARD' or 'SHARD_GRAD_OP', or `strategy='ddp_weighted'` in place"
+                " of 'NO_SHARD'."
+            )
+        self._zeroing: list[RemovableHandle] = []
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            "fsdp_weighted",
+            cls,
+            description="Count-weighted Fully Sharded Data Parallel (FSDP1) training, on CPU or CUDA",
+            override=True,  # importing twice leaves the registry as it was
+        )
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        config = self.mixed_precision_config
+        if config is not None and torch.float16 in (config.param_dtype, config.reduce_dtype):
+            raise MisconfigurationException(f"fsdp_weighted would compute or reduce in float16 ({config}). {FP16_FIX}.")
+        super().setup(trainer)
+
+    @override
+    def _setup_model(self, model: Module) -> Module:
+        wrapped = super()._setup_model(model)
+        self._reduce.process_group = wrapped.process_group  # type: ignore[assignment]
+        wrapped.register_comm_hook(self._reduce, weighted_reduce_scatter_hook)  # type: ignore[operator]
+        return wrapped
+
+    @contextlib.contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if self.sync_every_microbatch:
+            yield None  # FSDP1 accumulates the reduced shards
+        else:
+            with super().block_backward_sync():
+                yield None
+
+    @override
+    def _count_group(self) -> dist.ProcessGroup | None:
+        return self._reduce.process_group
+
+    @override
+    def _zero_loss(self, loss: Tensor | None) -> Tensor:
+        zero = super()._zero_loss(loss)
+        assert self.model is not None
+        self._zeroing = zero_gradients(flat_parameters(self.model))  # before the gradient accumulates
+        return zero
+
+    @override
+    def _after_backward(self) -> None:
+        for handle in self._zeroing:
+            handle.remove()
+        self._zeroing = []
