@@ -1,14 +1,17 @@
 """Count-weighted distributed training for Lightning: every optimizer step optimises the global item mean.
 
 Importing this package registers ``"ddp_weighted"``, ``"ddp_weighted_spawn"``, ``"ddp_weighted_fork"`` and
-``"ddp_weighted_find_unused_parameters_true"`` in Lightning's ``StrategyRegistry``. The objective is stated in
+``"ddp_weighted_find_unused_parameters_true"`` in Lightning's ``StrategyRegistry``, and the same names (with
+``"ddp_weighted_notebook"``) in Fabric's ``STRATEGY_REGISTRY``. The objective is stated in
 :mod:`lightning_weighted.window`.
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_STRATEGIES
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_weighted.audit import AuditReport, ObjectiveAudit, ObjectiveMismatchError, is_replaying
 from lightning_weighted.counting import ItemCounter, count_examples, count_tokens, count_weights
+from lightning_weighted.fabric import WeightedFabricDDPStrategy
 from lightning_weighted.participation import UnpaddedDistributedSampler
 from lightning_weighted.reduce.ddp_hook import WeightedReduceState, weighted_allreduce_hook
 from lightning_weighted.strategies import WeightedDDPStrategy
@@ -22,6 +25,7 @@ __all__ = [
     "ObjectiveMismatchError",
     "UnpaddedDistributedSampler",
     "WeightedDDPStrategy",
+    "WeightedFabricDDPStrategy",
     "WeightedReduceState",
     "Window",
     "WindowResult",
@@ -35,3 +39,4 @@ __all__ = [
 __version__ = "0.1.0"
 
 WeightedDDPStrategy.register_strategies(StrategyRegistry)
+WeightedFabricDDPStrategy.register_strategies(_FABRIC_STRATEGIES)

@@ -1,0 +1,5 @@
+"""Fabric strategies: each wires the window core into one engine's reduction, for loops written with Fabric."""
+
+from lightning_weighted.fabric.ddp import WeightedFabricDDPStrategy
+
+__all__ = ["WeightedFabricDDPStrategy"]

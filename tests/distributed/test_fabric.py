@@ -1,0 +1,187 @@
+"""Fabric loops under `"ddp_weighted"`: the float64 reference of the global item mean, and plain Fabric `"ddp"`
+failing it; accumulation through `no_backward_sync` or `window_end=`, uneven ranks, empty microbatches and
+windows, bad counts, clipping and precision (2 gloo ranks, forked ready-imported)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from fabric_worker import FabricConfig
+from harness import run_worker
+from scenario import is_finite, max_relative_error, reference
+
+FIX = "Pass each microbatch's count as `fabric.backward(loss, count=n)`"
+
+
+def fabric_fit(config: FabricConfig, tmp_path: Path, timeout: float = 120, expect_failure: bool = False) -> Any:
+    """Runs `fabric_worker.py` on the config's ranks; returns every rank's record (with `error` when one raised)."""
+    out, done = run_worker("fabric_worker.py", config, tmp_path, timeout)
+    assert (done.returncode != 0) == expect_failure, done.stdout[-8000:]
+    return [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(config.world_size)]
+
+
+def _equal(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(_equal, a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_fabric_ddp_weighted_matches_the_float64_reference_and_plain_fabric_ddp_does_not(tmp_path, accumulate):
+    # uneven token-masked microbatches (rank 1's hold several times rank 0's tokens), windows of 3 through
+    # no_backward_sync, the short last window of each epoch included
+    config = FabricConfig(strategy="ddp_weighted", accumulate=accumulate, batches=7, epochs=2, mode="tokens")
+    expected = reference(config)
+    weighted = fabric_fit(config, tmp_path)
+    plain = fabric_fit(dataclasses.replace(config, strategy="ddp"), tmp_path)
+
+    assert len(weighted[0]["steps"]) == len(expected["norms"]) == 2 * math.ceil(7 / accumulate)
+    assert max_relative_error(weighted[0]["params"], expected["params"]) < 1e-5
+    assert _equal(weighted[0]["params"], weighted[1]["params"])  # replicas agree
+    assert [s["norm"] for s in weighted[0]["steps"]] == pytest.approx(expected["norms"], rel=1e-5)
+    assert [w[1] for w in weighted[0]["windows"]] == expected["items"]  # N of every window
+    # the same check fails for plain Fabric DDP: its mean of means re-weights the items
+    assert max_relative_error(plain[0]["params"], expected["params"]) > 1e-2
+
+
+@pytest.mark.parametrize("marking", ["no_sync", "window_end"])
+def test_each_window_costs_one_all_reduce_with_the_counts_riding_however_it_is_marked(tmp_path, marking):
+    # window_end=False outside no_backward_sync: DDP's backward runs its hook, which keeps the bucket local
+    config = FabricConfig(strategy="ddp_weighted", accumulate=3, batches=7, marking=marking, count_collectives=True)
+    result = fabric_fit(config, tmp_path)
+    assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
+    for rank in result:
+        assert [s["collectives"] for s in rank["steps"]] == [1, 2, 3]  # windows of 3, 3 and 1 microbatches
+        # the one bucket (21 gradients) with the 12 count values riding at its end
+        assert rank["collectives"] == [("all_reduce", "torch.float32", 21 + 12)] * 3
+
+
+def test_item_sum_losses_passed_with_reduction_sum_match_the_reference(tmp_path):
+    config = FabricConfig(strategy="ddp_weighted", accumulate=2, mode="weights", item_sum=True)
+    result = fabric_fit(config, tmp_path)
+    assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("lengths", "iterable"),
+    [([5, 8], False), ([5, 8], True), ([0, 5], False)],  # sized, unsized, and a rank without any batch
+)
+def test_ranks_with_less_data_keep_stepping_with_replays_and_match_the_reference(tmp_path, lengths, iterable):
+    config = FabricConfig(strategy="ddp_weighted", accumulate=2, lengths=lengths, iterable=iterable, epochs=2)
+    result = fabric_fit(config, tmp_path)
+    expected = reference(config)
+    assert max_relative_error(result[0]["params"], expected["params"]) < 1e-5
+    longest = max(lengths)
+    for rank, record in enumerate(result):
+        assert len(record["steps"]) == len(expected["norms"])  # every rank steps until every rank is done
+        per_epoch = [False] * lengths[rank] + [True] * (longest - lengths[rank])
+        assert record["padding"] == per_epoch * 2  # the replays, and only they, are marked
+        assert [w[2] for w in record["windows"]] == [local[rank] for local in expected["local_items"]]
+
+
+def test_setup_dataloaders_shards_without_padding_so_each_item_counts_once(tmp_path):
+    # 21 items, batches of 4, 2 ranks: 11 and 10 items; Fabric's own sampler would repeat one item on rank 1
+    config = FabricConfig(strategy="ddp_weighted", accumulate=2, items=21, batch_size=4, epochs=2, mode="weights")
+    result = fabric_fit(config, tmp_path)
+    assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
+    # float32 weight sums: a repeated item (weights 0.1 to 2.0) would move the total by more than 2e-3
+    assert sum(w[1] for w in result[0]["windows"]) == pytest.approx(sum(reference(config)["items"]), rel=1e-6)
+
+
+def test_fully_masked_microbatches_with_nan_means_contribute_exactly_zero(tmp_path):
+    # rank 0's microbatch 1 and rank 1's microbatch 4 have every token masked: their means are 0/0 = NaN
+    config = FabricConfig(strategy="ddp_weighted", accumulate=2, masked=[(0, 1), (1, 4)])
+    result = fabric_fit(config, tmp_path)
+    assert is_finite(result[0]["params"])
+    assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
+
+
+def test_a_window_without_items_leaves_params_and_optimizer_state_bit_identical(tmp_path):
+    # windows 0, 1, 2 of A = 2; window 1 has no valid item on any rank
+    config = FabricConfig(strategy="ddp_weighted", accumulate=2, empty_windows=[1], optimizer="adam", lr=0.05)
+    result = fabric_fit(config, tmp_path)
+    for rank in result:
+        before, empty, after = rank["steps"]
+        assert empty["norm"] == 0.0  # no gradient at all
+        assert _equal(empty["params"], before["params"])
+        assert _equal(empty["state"], before["state"])  # Adam moments and step counts
+        assert not _equal(after["params"], empty["params"])
+        assert rank["skipped_steps"] == 1
+    assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (-3, "ValueError: on rank 1, a microbatch's count is negative (-3.0)."),
+        (float("nan"), "ValueError: on rank 1, a microbatch's count is not finite (nan)."),
+        ("missing", "TypeError: on rank 1, fabric.backward got no count."),
+    ],
+)
+def test_a_bad_or_missing_count_on_one_rank_raises_the_same_error_on_every_rank_before_the_step(
+    tmp_path, value, message
+):
+    # rank 1's microbatch 3 sits in window 1 (A = 2): window 0 steps, window 1 raises at its end
+    config = FabricConfig(strategy="ddp_weighted", accumulate=2, bad_count=[1, 3, value])
+    result = fabric_fit(config, tmp_path, timeout=60, expect_failure=True)
+    for rank in result:
+        assert rank["error"] == result[0]["error"]
+        assert rank["error"].startswith(message) and FIX in rank["error"]
+        assert len(rank["steps"]) == 1
+        assert _equal(rank["params"], rank["steps"][0]["params"])  # nothing changed after window 0's step
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_fabric_clip_gradients_sees_the_normalized_gradient(tmp_path, algorithm):
+    config = FabricConfig(strategy="ddp_weighted", accumulate=2, mode="examples", clip=0.05, clip_algorithm=algorithm)
+    expected = reference(config)
+    assert max(expected["norms"]) > 0.05  # clipping is active
+    result = fabric_fit(config, tmp_path)
+    assert [s["norm"] for s in result[0]["steps"]] == pytest.approx(expected["norms"], rel=1e-5)
+    assert max_relative_error(result[0]["params"], expected["params"]) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("precision", "rtol"),
+    [
+        ("bf16-mixed", 3e-2),  # fp32 gradients: the counts ride
+        ("bf16-true", 5e-2),  # bf16 gradients: mean-sized losses, the counts in their own float64 all-reduce
+        ("16-true", 5e-2),
+        ("64-true", 1e-7),  # Fabric hands the model's outputs back in float32, so the loss is a float32 scalar
+    ],
+)
+def test_every_precision_gives_the_reference_within_its_precision_and_plain_ddp_does_not(tmp_path, precision, rtol):
+    config = FabricConfig(strategy="ddp_weighted", accumulate=2, mode="weights", precision=precision, lr=0.05)
+    result = fabric_fit(config, tmp_path)
+    expected = reference(config)
+    assert max_relative_error(result[0]["params"], expected["params"]) < rtol
+    assert [s["norm"] for s in result[0]["steps"]] == pytest.approx(expected["norms"], rel=max(rtol, 1e-6))
+    plain = fabric_fit(dataclasses.replace(config, strategy="ddp"), tmp_path)
+    assert max_relative_error(plain[0]["params"], expected["params"]) > 0.1
+
+
+@pytest.mark.parametrize(
+    ("misuse", "message"),
+    [
+        ("window_end_in_no_sync", "RuntimeError: fabric.backward(..., window_end=True) ran inside"),
+        ("step_in_open_window", "RuntimeError: optimizer.step() was called while a window is open"),
+        ("clip_in_open_window", "RuntimeError: fabric.clip_gradients was called while a window is open"),
+        ("reduction", "ValueError: fabric.backward got reduction='avg'"),
+        ("second_model", "RuntimeError: WeightedFabricDDPStrategy weights the gradients of one model"),
+    ],
+)
+def test_uses_that_cannot_be_weighted_are_refused_on_every_rank_with_the_fix(tmp_path, misuse, message):
+    config = FabricConfig(strategy="ddp_weighted", accumulate=2, misuse=misuse)
+    result = fabric_fit(config, tmp_path, timeout=60, expect_failure=True)
+    for rank in result:
+        assert rank["error"].startswith(message), rank["error"]
+        assert rank["steps"] == []
