@@ -1,9 +1,9 @@
 """Count-weighted distributed training for Lightning: every optimizer step optimises the global item mean.
 
-Importing this package registers ``"ddp_weighted"``, ``"ddp_weighted_spawn"``, ``"ddp_weighted_fork"`` and
-``"ddp_weighted_find_unused_parameters_true"`` in Lightning's ``StrategyRegistry``, and the same names (with
-``"ddp_weighted_notebook"``) in Fabric's ``STRATEGY_REGISTRY``. The objective is stated in
-:mod:`lightning_weighted.window`.
+Importing this package registers ``"ddp_weighted"``, ``"ddp_weighted_spawn"``, ``"ddp_weighted_fork"``,
+``"ddp_weighted_find_unused_parameters_true"``, ``"fsdp2_weighted"`` (FSDP2) and ``"fsdp_weighted"`` (FSDP1) in
+Lightning's ``StrategyRegistry``, and the DDP names (with ``"ddp_weighted_notebook"``) in Fabric's
+``STRATEGY_REGISTRY``. The objective is stated in :mod:`lightning_weighted.window`.
 """
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_STRATEGIES
@@ -14,7 +14,8 @@ from lightning_weighted.counting import ItemCounter, count_examples, count_token
 from lightning_weighted.fabric import WeightedFabricDDPStrategy
 from lightning_weighted.participation import UnpaddedDistributedSampler
 from lightning_weighted.reduce.ddp_hook import WeightedReduceState, weighted_allreduce_hook
-from lightning_weighted.strategies import WeightedDDPStrategy
+from lightning_weighted.reduce.sharded import ShardedReduceState
+from lightning_weighted.strategies import WeightedDDPStrategy, WeightedFSDPStrategy, WeightedModelParallelStrategy
 from lightning_weighted.window import LossScale, Window, WindowResult
 
 __all__ = [
@@ -23,9 +24,12 @@ __all__ = [
     "LossScale",
     "ObjectiveAudit",
     "ObjectiveMismatchError",
+    "ShardedReduceState",
     "UnpaddedDistributedSampler",
     "WeightedDDPStrategy",
+    "WeightedFSDPStrategy",
     "WeightedFabricDDPStrategy",
+    "WeightedModelParallelStrategy",
     "WeightedReduceState",
     "Window",
     "WindowResult",
@@ -39,4 +43,6 @@ __all__ = [
 __version__ = "0.1.0"
 
 WeightedDDPStrategy.register_strategies(StrategyRegistry)
+WeightedModelParallelStrategy.register_strategies(StrategyRegistry)
+WeightedFSDPStrategy.register_strategies(StrategyRegistry)
 WeightedFabricDDPStrategy.register_strategies(_FABRIC_STRATEGIES)

@@ -100,12 +100,15 @@ class Participation:
         """Whether this rank holds a real batch after the current one (the lookahead makes this known)."""
         return self.real is None or self.real > self.position + 1
 
-    def after_window(self, ranks_with_more: int, device: torch.device) -> None:
-        """Acts on the summed ``has_more`` flags of a window's count reduction, identically on every rank."""
+    def after_window(self, ranks_with_more: int, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+        """Acts on the summed ``has_more`` flags of a window's count reduction, identically on every rank.
+
+        ``group`` is the one the counts were summed over (``None``: every rank).
+        """
         if ranks_with_more == 0:
             self.stop = True
-        elif self.policy == "strict" and ranks_with_more != dist.get_world_size():
-            counts = _gather_counts(self.real if self.real is not None else -1, device)
+        elif self.policy == "strict" and ranks_with_more != dist.get_world_size(group):
+            counts = _gather_counts(self.real if self.real is not None else -1, device, group)
             raise ValueError(_strict_message(counts, f"after loader position {self.position}"))
 
 
@@ -211,13 +214,13 @@ def _has_len(loader: Any) -> bool:
     return True
 
 
-def _gather_counts(local: int, device: torch.device) -> list[int]:
-    """Every rank's ``local`` value, by one SUM all-reduce of a world-size vector (at most twice per epoch)."""
+def _gather_counts(local: int, device: torch.device, group: dist.ProcessGroup | None = None) -> list[int]:
+    """Every rank's ``local`` value, by one SUM all-reduce of a group-size vector (at most twice per epoch)."""
     if not dist.is_initialized():
         return [local]
-    vector = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
-    vector[dist.get_rank()] = local
-    dist.all_reduce(vector)
+    vector = torch.zeros(dist.get_world_size(group), dtype=torch.float64, device=device)
+    vector[dist.get_rank(group)] = local
+    dist.all_reduce(vector, group=group)
     return [round(v) for v in vector.tolist()]
 
 

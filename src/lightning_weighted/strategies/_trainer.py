@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import ParallelStrategy
@@ -74,6 +75,10 @@ class TrainerAdapter(ParallelStrategy):
         """An exact zero standing for ``loss``, whose own mean may be NaN (0/0 over a fully masked microbatch)."""
         assert self.lightning_module is not None
         return zero_loss(loss, self.lightning_module)
+
+    def _count_group(self) -> dist.ProcessGroup | None:
+        """The group a window's counts are summed over: the ranks that see different data (``None``: all)."""
+        return None
 
     # ------------------------------------------------------------------------------------------- Lightning hooks
     @override
@@ -161,7 +166,9 @@ class TrainerAdapter(ParallelStrategy):
             closure_loss = closure_loss * factor
         if self._ends_window:
             window = self._window or Window(self._loss_scale())
-            self._start_sync(window.payload(self.global_rank, self._participation.has_more()), window.reference)
+            group = self._count_group()
+            rank = self.global_rank if group is None else dist.get_group_rank(group, self.global_rank)
+            self._start_sync(window.payload(rank, self._participation.has_more()), window.reference)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
@@ -191,7 +198,7 @@ class TrainerAdapter(ParallelStrategy):
         step = self.lightning_module.trainer.global_step
         window, self._window = self._window or Window(self._loss_scale()), None
         result = self.last_window = window.finish(self._summed_counts(), step)
-        self._participation.after_window(result.ranks_with_more, self.root_device)
+        self._participation.after_window(result.ranks_with_more, self.root_device, self._count_group())
         if result.items > 0:
             self._normalize(result.items)
             return

@@ -1,0 +1,165 @@
+"""``WeightedModelParallelStrategy``: FSDP2 (and tensor parallelism) whose update is the global item mean's gradient."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch.distributed as dist
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_weighted._counts import CountPayload
+from lightning_weighted.participation import Policy
+from lightning_weighted.reduce.sharded import (
+    ShardedReduceState,
+    data_parallel_group,
+    divide_gradients,
+    reduce_with_sum,
+)
+from lightning_weighted.strategies._trainer import TrainerAdapter
+from lightning_weighted.window import LossScale
+
+__all__ = ["WeightedModelParallelStrategy"]
+
+_DEFAULT_TIMEOUT = timedelta(minutes=30)  # Lightning's and torch's default process-group timeout
+
+
+class WeightedModelParallelStrategy(TrainerAdapter, ModelParallelStrategy):
+    """FSDP2 that optimises the mean over every valid item of each optimizer step, on every rank and microbatch.
+
+    The module applies ``fully_shard`` in ``configure_model`` over ``self.device_mesh["data_parallel"]`` (and
+    tensor parallelism over ``self.device_mesh["tensor_parallel"]``), exactly as for Lightning's
+    ``ModelParallelStrategy``; ``training_step`` follows :class:`~lightning_weighted.WeightedDDPStrategy`'s contract
+    and rules, and the update is the one stated in :mod:`lightning_weighted.window`.
+
+    Every FSDP module SUM-reduces item-sum gradients on each microbatch (FSDP2's default under accumulation in
+    Lightning: no unsharded gradient is held between microbatches), the window's counts are summed over the
+    data-parallel group by one 48-byte all-reduce, and the local gradient shards are divided by ``N`` before
+    clipping and the optimizer (see :mod:`lightning_weighted.reduce.sharded`).
+
+    Args:
+        data_parallel_size: ranks that see different data; ``"auto"``: the world size divided by
+            ``tensor_parallel_size``.
+        tensor_parallel_size: ranks that split each layer; ``"auto"``: 1, or the world size divided by
+            ``data_parallel_size`` when that is given.
+        save_distributed_checkpoint: as for ``ModelParallelStrategy``: a folder of shards (``True``) or one full file.
+        process_group_backend: as for ``ModelParallelStrategy``.
+        timeout: the process-group timeout; a dead or stalled rank ends every rank after it.
+        participation: ``"pad"`` lets a rank whose data ran out step with count 0 until every rank is done;
+            ``"strict"`` raises instead (see :mod:`lightning_weighted.participation`).
+
+    Example::
+
+        >>> import lightning_weighted
+        >>> from lightning.pytorch import Trainer
+        >>> trainer = Trainer(strategy="fsdp2_weighted", accelerator="cpu", devices=1, logger=False)
+        >>> type(trainer.strategy).__name__
+        'WeightedModelParallelStrategy'
+    """
+
+    strategy_name = "fsdp2_weighted"
+
+    def __init__(
+        self,
+        data_parallel_size: Literal["auto"] | int = "auto",
+        tensor_parallel_size: Literal["auto"] | int = "auto",
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = _DEFAULT_TIMEOUT,
+        participation: Policy = "pad",
+    ) -> None:
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            participation=participation,
+        )
+        self._reduce = ShardedReduceState()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            "fsdp2_weighted",
+            cls,
+            description="Count-weighted FSDP2 (ModelParallelStrategy), data-parallel over every rank by default",
+            override=True,  # importing twice leaves the registry as it was
+        )
+
+    @override
+    def setup_environment(self) -> None:
+        # Lightning's "auto" is one data-parallel group per node; here every rank is data-parallel unless told.
+        world = self.num_nodes * self.num_processes
+        data, tensor = self._data_parallel_size, self._tensor_parallel_size
+        if data == "auto":
+            data = world // (1 if tensor == "auto" else tensor)
+        if tensor == "auto":
+            tensor = max(world // data, 1)
+        self._data_parallel_size, self._tensor_parallel_size = data, tensor
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        super().setup(trainer)
+        assert self.model is not None
+        self._reduce.process_group = self._count_group()
+        reduce_with_sum(self.model, self._reduce)
+
+    @override
+    def _count_group(self) -> dist.ProcessGroup | None:
+        return data_parallel_group(self.device_mesh)
+
+    @override
+    def _loss_scale(self) -> LossScale:
+        return LossScale.ITEM_SUM
+
+    @override
+    def _start_sync(self, payload: CountPayload, reference: float) -> None:
+        self._reduce.begin_window(payload, self.root_device)
+
+    @override
+    def _summed_counts(self) -> list[float]:
+        return self._reduce.counts()
+
+    @override
+    def _normalize(self, items: float) -> None:
+        assert self.model is not None
+        divide_gradients(self.model.parameters(), items)
+
+    @override
+    def _zero_loss(self, loss: Tensor | None) -> Tensor:
+        return sharded_zero_loss(self, self._reduce, loss)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        finally:
+            self._reduce.empty = False
+
+
+def sharded_zero_loss(strategy: TrainerAdapter, state: ShardedReduceState, loss: Tensor | None) -> Tensor:
+    """What a count-0 microbatch backpropagates under a sharded engine: its own graph, its gradient zeroed.
+
+    The backward must run, since its all-gathers and reduce-scatters are collectives every rank takes part in; the
+    gradient it computes (NaN for a fully masked mean) is replaced by exact zeros on its way into the reduction.
+    A ``training_step`` that returned no loss, or one without a graph, leaves this rank nothing to run that
+    backward with: it raises here, and its peers fail as its connections close.
+    """
+    if loss is None or loss.grad_fn is None:
+        what = "None" if loss is None else "a loss that is not attached to the graph"
+        raise RuntimeError(
+            f"On rank {strategy.global_rank}, training_step returned {what}. Under {strategy.strategy_name} every"
+            " rank must run each microbatch's backward through the sharded model, whose collectives the other ranks"
+            " wait in. Return the loss of the model's forward (with `'count': 0` for a microbatch that holds no"
+            " item)."
+        )
+    state.empty = True
+    return loss.sum() * 0.0

@@ -1,0 +1,233 @@
+"""One sharded training run (FSDP2 or FSDP1) of `ShardedConfig`; every rank saves what it saw to `<out>.rank<r>`.
+
+`Config.world_size` counts the data-parallel ranks, each holding its own data as in `scenario`; with tensor
+parallelism every data-parallel rank is `tensor_parallel` processes that share its batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
+from scenario import Config, WeightedModule, make_batches
+from torch import Tensor, nn
+from worker import Recorder, make_counter, rank_arguments
+
+import lightning_weighted
+from lightning_weighted.strategies.fsdp import AnyDeviceFSDPStrategy
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclasses.dataclass
+class ShardedConfig(Config):
+    strategy: str = "fsdp2_weighted"  # fsdp2_weighted | fsdp2 (ModelParallelStrategy) | fsdp_weighted | fsdp
+    tensor_parallel: int = 1  # processes per data-parallel rank, splitting each layer
+    hsdp: bool = False  # FSDP2 over a (replicate=2, shard) mesh of the data-parallel ranks
+    mixed: str | None = None  # "param/reduce" dtypes of FSDP's own mixed precision, e.g. "bf16/fp32"
+    full_checkpoint: bool = False  # one full checkpoint file instead of a folder of shards
+    world_counts: bool = False  # count over every process: the wrong group under tensor parallelism
+    sharding: str = "FULL_SHARD"  # FSDP1's sharding strategy
+    audit: bool = False  # ObjectiveAudit(every_n_steps=1, on_mismatch="raise")
+
+    @property
+    def processes(self) -> int:
+        return self.world_size * self.tensor_parallel
+
+
+class WorldCounting(lightning_weighted.WeightedModelParallelStrategy):
+    """Counts over every process: right without tensor parallelism, `tensor_parallel` times too many with it."""
+
+    def _count_group(self) -> dist.ProcessGroup | None:
+        return None
+
+
+class ShardedModule(WeightedModule):
+    def __init__(self, config: ShardedConfig) -> None:
+        super().__init__(config)
+        self.config: ShardedConfig = config
+
+    @property
+    def data_rank(self) -> int:
+        return self.global_rank // self.config.tensor_parallel
+
+    def configure_model(self) -> None:
+        if not self.config.strategy.startswith("fsdp2"):
+            return  # FSDP1: Lightning wraps the model, each Linear a unit of its own (the auto-wrap policy)
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if self.config.tensor_parallel > 1:
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+            parallelize_module(self.model, self.device_mesh["tensor_parallel"], plan)  # type: ignore[arg-type]
+        mesh = self.device_mesh["data_parallel"]
+        if self.config.hsdp:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            shape = (2, self.config.world_size // 2)
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        policy = MixedPrecisionPolicy()
+        if self.config.mixed is not None:
+            param, reduce = self.config.mixed.split("/")
+            policy = MixedPrecisionPolicy(param_dtype=DTYPES[param], reduce_dtype=DTYPES[reduce])
+        for layer in (self.model[0], self.model[2], self.model):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+
+    def train_dataloader(self) -> Any:
+        from scenario import _EpochList, _EpochStream
+        from torch.utils.data import DataLoader
+
+        epochs = [make_batches(self.config, self.data_rank, e) for e in range(self.config.epochs)]
+        if self.config.iterable:
+            return DataLoader(_EpochStream(epochs, self), batch_size=None)
+        return DataLoader(_EpochList([b for e in epochs for b in e], len(epochs[0]), self), batch_size=None)
+
+
+@contextmanager
+def full(trainer: Trainer, grads: bool = False) -> Iterator[None]:
+    """Makes FSDP1's parameters (and gradients) whole for the block; FSDP2's are made whole by `whole`."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = trainer.strategy.model
+    if isinstance(model, FullyShardedDataParallel):
+        with FullyShardedDataParallel.summon_full_params(model, writeback=False, with_grads=grads):
+            yield
+    else:
+        yield
+
+
+def whole(tensor: Tensor) -> Tensor:
+    full_tensor = getattr(tensor, "full_tensor", None)
+    return (full_tensor() if full_tensor is not None else tensor).detach().clone()
+
+
+def local(value: Any) -> Any:
+    to_local = getattr(value, "to_local", None)
+    return (to_local() if to_local is not None else value).clone() if isinstance(value, Tensor) else value
+
+
+class ShardedRecorder(Recorder):
+    """`Recorder` for sharded parameters: whole parameters and gradients, this rank's optimizer state."""
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        return None
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        with full(trainer, grads=True):
+            grads = [whole(p.grad) for p in pl_module.model.parameters() if p.grad is not None]
+        norm = float(torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads]))) if grads else 0.0
+        self.steps.append({"norm": norm, "collectives": len(self.collectives)})
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        self.padding.append(bool(getattr(trainer.strategy, "padding_step", False)))
+        window = getattr(trainer.strategy, "last_window", None)
+        if window is not None and (not self.windows or self.windows[-1][0] != window.step):
+            self.windows.append((window.step, window.items, window.local_items))
+        if not self.steps or "params" in self.steps[-1]:
+            return
+        optimizer = trainer.optimizers[0]
+        with full(trainer):
+            self.steps[-1]["params"] = [whole(p) for p in pl_module.model.parameters()]
+        self.steps[-1]["state"] = {
+            k: {n: local(t) for n, t in v.items()} for k, v in optimizer.state_dict()["state"].items()
+        }
+        self.steps[-1]["lr"] = optimizer.param_groups[0]["lr"]
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+        with full(trainer):
+            params = [whole(p) for p in pl_module.model.parameters()]
+        record = {
+            "rank": trainer.global_rank,
+            "params": params,
+            "steps": self.steps,
+            "collectives": self.collectives,
+            "global_step": trainer.global_step,
+            "skipped_steps": getattr(trainer.strategy, "skipped_steps", None),
+            "padding": self.padding,
+            "windows": self.windows,
+            "batches": self.batches,
+            "audits": [dataclasses.asdict(r) for r in self.audit.reports] if self.config.audit else [],
+        }
+        torch.save(record, f"{self.out}.rank{trainer.global_rank}")
+
+
+def make_strategy(config: ShardedConfig) -> Any:
+    timeout = timedelta(seconds=config.pg_timeout)
+    weighted = config.strategy.endswith("_weighted")
+    extra: dict[str, Any] = {"participation": config.participation} if weighted else {}
+    if config.strategy.startswith("fsdp2"):
+        cls: Any = ModelParallelStrategy
+        if weighted:
+            cls = WorldCounting if config.world_counts else lightning_weighted.WeightedModelParallelStrategy
+        return cls(
+            data_parallel_size=config.world_size,
+            tensor_parallel_size=config.tensor_parallel,
+            save_distributed_checkpoint=not config.full_checkpoint,
+            timeout=timeout,
+            **extra,
+        )
+    mixed = None
+    if config.mixed is not None:
+        from torch.distributed.fsdp import MixedPrecision
+
+        param, reduce = config.mixed.split("/")
+        mixed = MixedPrecision(param_dtype=DTYPES[param], reduce_dtype=DTYPES[reduce])
+    cls = lightning_weighted.WeightedFSDPStrategy if weighted else AnyDeviceFSDPStrategy
+    return cls(
+        timeout=timeout,
+        auto_wrap_policy={nn.Linear},
+        sharding_strategy=config.sharding,
+        state_dict_type="full" if config.full_checkpoint else "sharded",
+        mixed_precision=mixed,
+        **extra,
+    )
+
+
+def main() -> None:
+    args = rank_arguments()
+    config = ShardedConfig(**json.loads(args.config))
+    recorder = ShardedRecorder(config, args.out)
+    callbacks: list[Callback] = [recorder]
+    if config.checkpoint:
+        callbacks.append(ModelCheckpoint(dirpath=f"{args.out}.ckpt", save_top_k=-1, save_on_train_epoch_end=True))
+        callbacks.append(OnExceptionCheckpoint(dirpath=f"{args.out}.ckpt"))
+    if config.counter is not None:
+        callbacks.append(make_counter(config))
+    if config.audit:
+        recorder.audit = lightning_weighted.ObjectiveAudit(every_n_steps=1, on_mismatch="raise")  # type: ignore[attr-defined]
+        callbacks.append(recorder.audit)  # type: ignore[attr-defined]
+    trainer = Trainer(
+        strategy=make_strategy(config),
+        accelerator="cpu",
+        devices=config.processes,
+        max_epochs=config.epochs,
+        accumulate_grad_batches=config.accumulate,
+        precision=config.precision,  # type: ignore[arg-type]
+        gradient_clip_val=config.clip,
+        gradient_clip_algorithm=config.clip_algorithm,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=config.checkpoint,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer.fit(ShardedModule(config), ckpt_path=config.resume)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""FSDP2 and FSDP1: the synchronized update equals the float64 single-process gradient of the global item mean."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from scenario import max_relative_error, reference
+from sharded import ShardedConfig, fit_sharded
+
+PLAIN = {"fsdp2_weighted": "fsdp2", "fsdp_weighted": "fsdp"}  # ModelParallelStrategy; FSDPStrategy enabled on CPU
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+@pytest.mark.parametrize("strategy", ["fsdp2_weighted", "fsdp_weighted"])
+def test_sharded_strategies_match_the_float64_reference_and_their_plain_counterparts_do_not(
+    tmp_path, strategy, accumulate
+):
+    config = ShardedConfig(strategy=strategy, accumulate=accumulate, batches=7, epochs=2, mode="tokens")
+    expected = reference(config)
+    weighted = fit_sharded(config, tmp_path)
+    plain = fit_sharded(dataclasses.replace(config, strategy=PLAIN[strategy]), tmp_path)
+
+    assert max_relative_error(weighted[0]["params"], expected["params"]) < 1e-5
+    assert all(torch.equal(a, b) for a, b in zip(weighted[0]["params"], weighted[1]["params"], strict=True))
+    assert [s["norm"] for s in weighted[0]["steps"]] == pytest.approx(expected["norms"], rel=1e-5)
+    # the same check fails for the plain strategy: its mean of rank means re-weights the items
+    assert max_relative_error(plain[0]["params"], expected["params"]) > 1e-2
+
+
+def test_hsdp_over_a_two_by_two_mesh_matches_the_reference(tmp_path):
+    # 4 data-parallel ranks: shards of 2, replicated twice; counts summed over all 4 (replicate × shard)
+    config = ShardedConfig(strategy="fsdp2_weighted", world_size=4, hsdp=True, accumulate=2, batches=4, epochs=2)
+    expected = reference(config)
+    weighted = fit_sharded(config, tmp_path, timeout=300)
+    plain = fit_sharded(dataclasses.replace(config, strategy="fsdp2"), tmp_path, timeout=300)
+    assert max_relative_error(weighted[0]["params"], expected["params"]) < 1e-5
+    assert all(
+        torch.equal(a, b) for rank in weighted[1:] for a, b in zip(weighted[0]["params"], rank["params"], strict=True)
+    )
+    assert max_relative_error(plain[0]["params"], expected["params"]) > 1e-2
+
+
+def test_tensor_parallel_peers_are_counted_once_through_the_data_parallel_group(tmp_path):
+    # 2 data-parallel ranks × 2 tensor-parallel ranks: each batch is seen by both tensor-parallel peers
+    config = ShardedConfig(strategy="fsdp2_weighted", tensor_parallel=2, accumulate=2, batches=4, epochs=2)
+    expected = reference(config)
+    weighted = fit_sharded(config, tmp_path, timeout=300)
+    assert [items for _, items, _ in weighted[0]["windows"]] == pytest.approx(expected["items"])
+    assert max_relative_error(weighted[0]["params"], expected["params"]) < 1e-5
+    # counting over every process instead sees each item twice: N doubles and every step is half as long
+    world = fit_sharded(dataclasses.replace(config, world_counts=True), tmp_path, timeout=300)
+    assert [items for _, items, _ in world[0]["windows"]] == pytest.approx([2 * n for n in expected["items"]])
+    assert max_relative_error(world[0]["params"], expected["params"]) > 1e-2
