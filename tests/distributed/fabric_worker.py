@@ -17,12 +17,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
-from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 from scenario import Batch, Config, count_of, item_losses, make_batches, make_model, make_optimizer, shared_dataset
+from sharded_worker import local, whole
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from worker import _COLLECTIVES, Recorder, rank_arguments
 
 import lightning_weighted
+from lightning_weighted.fabric.model_parallel import shard_each_child
 
 
 @dataclasses.dataclass
@@ -30,6 +32,7 @@ class FabricConfig(Config):
     marking: str = "no_sync"  # how windows are marked: "no_sync" (no_backward_sync) or "window_end" (the keyword)
     item_sum: bool = False  # pass the loss as a sum over items, with reduction="sum"
     misuse: str | None = None  # a use the strategy refuses: see `train_epoch`
+    evaluate: bool = False  # after training, one pass over the loader without backward (an evaluation loop)
 
 
 def weighted(config: Config) -> bool:
@@ -38,6 +41,12 @@ def weighted(config: Config) -> bool:
 
 def make_strategy(config: FabricConfig) -> Any:
     kwargs: dict[str, Any] = {"timeout": timedelta(seconds=config.pg_timeout)}
+    if config.strategy.startswith("fsdp2"):  # FSDP2: fully_shard each Linear, then the whole model
+        if weighted(config):
+            return lightning_weighted.WeightedFabricModelParallelStrategy(participation=config.participation, **kwargs)
+        return ModelParallelStrategy(
+            shard_each_child, data_parallel_size=config.world_size, tensor_parallel_size=1, **kwargs
+        )
     if weighted(config):
         if config.participation != "pad":
             kwargs["participation"] = config.participation
@@ -93,29 +102,34 @@ def main() -> None:
     )
     fabric.launch()
     rank, strategy = fabric.global_rank, fabric.strategy
-    model = make_model(config.seed)
-    model, optimizer = fabric.setup(model, make_optimizer(config, model.parameters()))
-    loader, epochs = make_loader(config, rank)
-    loader = fabric.setup_dataloaders(loader, use_distributed_sampler=config.items is not None)
-    record: dict[str, Any] = {"rank": rank, "steps": [], "padding": [], "windows": [], "error": None}
+    record: dict[str, Any] = {"rank": rank, "steps": [], "padding": [], "windows": [], "error": None, "params": None}
+    model: Any = None
     recorder = Recorder(config, "")
-    record["collectives"] = recorder.collectives  # (name, dtype, numel) of every collective from here on
-    if config.count_collectives:
-        for name in _COLLECTIVES:
-            setattr(dist, name, recorder._counting(name, getattr(dist, name)))
+    record["collectives"] = recorder.collectives  # (name, dtype, numel) of every collective once training starts
     try:
+        model = fabric.setup_module(make_model(config.seed))  # FSDP2 shards it: the optimizer comes after
+        optimizer = fabric.setup_optimizers(make_optimizer(config, model.parameters()))
         if config.misuse == "second_model":
-            fabric.setup(make_model(config.seed + 1))
+            fabric.setup_module(make_model(config.seed + 1))
+        loader, epochs = make_loader(config, rank)
+        loader = fabric.setup_dataloaders(loader, use_distributed_sampler=config.items is not None)
+        if config.count_collectives:
+            for name in _COLLECTIVES:
+                setattr(dist, name, recorder._counting(name, getattr(dist, name)))
         for epoch in range(config.epochs):
             if epochs is not None:
                 epochs.epoch = epoch
             train_epoch(fabric, config, model, optimizer, loader, record)
+        if config.evaluate:
+            with torch.no_grad():
+                record["evaluation"] = [(float(model(x).sum()), strategy.padding_step) for x, _, _ in loader]
+        record["params"] = [whole(p) for p in model.parameters()]
     except Exception as error:
         record["error"] = f"{type(error).__name__}: {error}"
         raise
     finally:
-        record["params"] = [p.detach().clone() for p in model.parameters()]
         record["skipped_steps"] = getattr(strategy, "skipped_steps", None)
+        record["local_params"] = None if model is None else [local(p.detach()) for p in model.parameters()]
         torch.save(record, f"{args.out}.rank{rank}")
 
 
@@ -153,7 +167,7 @@ def train_epoch(fabric: Fabric, config: FabricConfig, model: Any, optimizer: Any
         window = getattr(strategy, "last_window", None)
         if window is not None:
             record["windows"].append((window.step, window.items, window.local_items))
-        grads = [p.grad.double() for p in model.parameters() if p.grad is not None]
+        grads = [whole(p.grad).double() for p in model.parameters() if p.grad is not None]
         norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0
         step: dict[str, Any] = {"norm": norm, "collectives": len(record["collectives"])}
         if config.clip is not None:
@@ -163,10 +177,10 @@ def train_epoch(fabric: Fabric, config: FabricConfig, model: Any, optimizer: Any
                 fabric.clip_gradients(model, optimizer, max_norm=config.clip)
         optimizer.step()
         optimizer.zero_grad()
-        step["params"] = [p.detach().clone() for p in model.parameters()]
-        step["state"] = {
-            k: {n: t.clone() if isinstance(t, torch.Tensor) else t for n, t in v.items()}
-            for k, v in optimizer.state_dict()["state"].items()
+        step["params"] = [whole(p) for p in model.parameters()]
+        step["local_params"] = [local(p.detach()) for p in model.parameters()]
+        step["state"] = {  # this rank's shard of it, under FSDP2
+            k: {n: local(t) for n, t in v.items()} for k, v in optimizer.optimizer.state_dict()["state"].items()
         }
         record["steps"].append(step)
 

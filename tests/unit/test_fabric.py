@@ -12,7 +12,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 
 import lightning_weighted
-from lightning_weighted import WeightedFabricDDPStrategy
+from lightning_weighted import WeightedFabricDDPStrategy, WeightedFabricModelParallelStrategy
 from lightning_weighted._counts import Count, CountProblem
 from lightning_weighted.fabric._adapter import FABRIC
 from lightning_weighted.window import Window
@@ -35,7 +35,16 @@ def test_import_registers_every_fabric_name_and_reimport_changes_nothing():
         assert entry["init_params"]["start_method"] == start_method
         assert entry["init_params"].get("find_unused_parameters", False) is find_unused
         assert entry["init_params"] == before[name]["init_params"]
+    assert STRATEGY_REGISTRY["fsdp2_weighted"]["strategy"] is WeightedFabricModelParallelStrategy
     assert "ddp" in STRATEGY_REGISTRY  # Fabric's own names stay
+
+
+def test_fabric_builds_the_fsdp2_strategy_from_its_name_and_no_backward_sync_marks_the_window():
+    fabric = Fabric(strategy="fsdp2_weighted", accelerator="cpu", devices=2)
+    assert isinstance(fabric.strategy, WeightedFabricModelParallelStrategy)
+    with fabric.strategy.accumulating():  # what `fabric.no_backward_sync(model)` enters
+        assert not fabric.strategy._syncs()
+    assert fabric.strategy._syncs()
 
 
 @pytest.mark.parametrize("name", sorted(NAMES))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import torch.distributed as dist
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.utilities import rank_zero_warn
 from lightning.fabric.utilities.types import Optimizable
@@ -33,7 +34,8 @@ class FabricAdapter(ParallelStrategy):
     Subclasses put it before their Fabric strategy (``class S(FabricAdapter, DDPStrategy)``) and say how the
     window's counts meet their gradients, as the Trainer's adapter does: :meth:`_loss_scale`, :meth:`_start_sync`
     (before the backward that ends a window), :meth:`_summed_counts` (after it) and :meth:`_normalize`; and how a
-    backward relates to the window: :meth:`_syncs`, :meth:`_hold`, :meth:`_trained_module`, :meth:`_zero_loss`.
+    backward relates to the window: :meth:`_syncs`, :meth:`_hold`, :meth:`_trained_module`, :meth:`_zero_loss`,
+    :meth:`_count_group`.
     """
 
     strategy_name: str
@@ -75,9 +77,9 @@ class FabricAdapter(ParallelStrategy):
     def _normalize(self, items: float) -> None:
         """Brings ``N`` to gradients the reduction left as item sums; nothing where the reduction did it."""
 
-    def _count_rank(self) -> int:
-        """This rank's index in the group the counts are summed over."""
-        return self.global_rank
+    def _count_group(self) -> dist.ProcessGroup | None:
+        """The group a window's counts are summed over: the ranks that see different data (``None``: all)."""
+        return None
 
     def _trained_module(self) -> Module:
         """The module set up for training, whose gradients the window weights."""
@@ -139,7 +141,9 @@ class FabricAdapter(ParallelStrategy):
             tensor = tensor * factor
         if ends:
             more = self._participation is None or self._participation.has_more()
-            self._start_sync(window.payload(self._count_rank(), more), window.reference)
+            group = self._count_group()
+            rank = self.global_rank if group is None else dist.get_group_rank(group, self.global_rank)
+            self._start_sync(window.payload(rank, more), window.reference)
         elif syncs:
             self._hold()
         super().backward(tensor, module, *args, **kwargs)
@@ -200,7 +204,7 @@ class FabricAdapter(ParallelStrategy):
         step, self._windows = self._windows, self._windows + 1
         result = self.last_window = window.finish(self._summed_counts(), step, FABRIC)
         if self._participation is not None:
-            self._participation.after_window(result.ranks_with_more, self.root_device)
+            self._participation.after_window(result.ranks_with_more, self.root_device, self._count_group())
         if result.items > 0:
             self._normalize(result.items)
             return
