@@ -18,7 +18,17 @@ import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
-from scenario import Batch, Config, count_of, item_losses, make_batches, make_model, make_optimizer, shared_dataset
+from scenario import (
+    Batch,
+    Config,
+    count_of,
+    inject,
+    item_losses,
+    make_batches,
+    make_model,
+    make_optimizer,
+    shared_dataset,
+)
 from sharded_worker import local, whole
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from worker import _COLLECTIVES, Recorder, rank_arguments
@@ -141,6 +151,8 @@ def train_epoch(fabric: Fabric, config: FabricConfig, model: Any, optimizer: Any
             y, w = y.double(), w.double()
         last = (index + 1) % a == 0 or index + 1 == length
         record["padding"].append(bool(getattr(strategy, "padding_step", False)))
+        if config.fault is not None and config.fault[2] == index:
+            inject(config.fault, fabric.global_rank, "training_step")
         sync_off = config.marking == "no_sync" and not last
         misuse = config.misuse if index == 0 else None
         with fabric.no_backward_sync(model, enabled=sync_off):
@@ -154,6 +166,8 @@ def train_epoch(fabric: Fabric, config: FabricConfig, model: Any, optimizer: Any
                 fabric.backward(mean / a)
             else:
                 keywords: dict[str, Any] = {} if count == "missing" else {"count": count}
+                if count == "nograd":  # a loss cut from the graph, with a valid count
+                    mean, total, keywords = mean.detach(), total.detach(), {"count": 3}
                 if config.marking == "window_end" or misuse == "window_end_in_no_sync":
                     keywords["window_end"] = last or misuse == "window_end_in_no_sync"
                 reduction = "avg" if misuse == "reduction" else "sum" if config.item_sum else "mean"

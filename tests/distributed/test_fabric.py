@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +155,14 @@ def test_a_bad_or_missing_count_on_one_rank_raises_the_same_error_on_every_rank_
         assert _equal(rank["local_params"], rank["steps"][0]["local_params"])  # nothing changed after window 0
 
 
+def test_a_loss_without_a_graph_on_one_rank_raises_the_same_error_on_every_rank_under_ddp(tmp_path):
+    config = FabricConfig(strategy="ddp_weighted", accumulate=2, bad_count=[1, 3, "nograd"])
+    result = fabric_fit(config, tmp_path, timeout=60, expect_failure=True)
+    for rank in result:
+        assert rank["error"].startswith("RuntimeError: on rank 1, fabric.backward got a loss that is not attached")
+        assert len(rank["steps"]) == 1
+
+
 @pytest.mark.parametrize("strategy", ENGINES)
 @pytest.mark.parametrize("algorithm", ["norm", "value"])
 def test_fabric_clip_gradients_sees_the_normalized_gradient(tmp_path, strategy, algorithm):
@@ -226,3 +235,18 @@ def test_an_evaluation_loop_sees_replays_marked_or_ends_with_its_own_data(tmp_pa
     for rank, length in zip(result, [5, 8], strict=True):
         marks = [replay for _, replay in rank["evaluation"]]
         assert marks == [False] * length + ([] if iterable else [True] * (8 - length))
+
+
+@pytest.mark.parametrize("strategy", ENGINES)
+def test_an_exception_on_one_rank_mid_window_ends_every_rank_well_before_the_timeout(tmp_path, strategy):
+    # rank 1 raises at microbatch 3, inside window 1 (A = 2); rank 0 is left in that window's collectives
+    config = FabricConfig(strategy=strategy, accumulate=2, fault=["raise", 1, 3], pg_timeout=10)
+    out, done = run_worker("fabric_worker.py", config, tmp_path, timeout=60)
+    assert done.returncode != 0
+    records = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(2)]
+    assert records[1]["error"] == "RuntimeError: injected raise on rank 1"
+    assert records[0]["error"] is not None  # the peer fails too, as the raising rank's connections close
+    assert all(len(record["steps"]) == 1 for record in records)
+    struck = re.search(r"FAULT raise (\d+\.\d+)", done.stdout)
+    assert struck is not None, done.stdout[-4000:]
+    assert done.ended - float(struck.group(1)) < config.pg_timeout  # every rank ended before the timeout
