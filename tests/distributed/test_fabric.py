@@ -155,12 +155,17 @@ def test_a_bad_or_missing_count_on_one_rank_raises_the_same_error_on_every_rank_
         assert _equal(rank["local_params"], rank["steps"][0]["local_params"])  # nothing changed after window 0
 
 
-def test_a_loss_without_a_graph_on_one_rank_raises_the_same_error_on_every_rank_under_ddp(tmp_path):
-    config = FabricConfig(strategy="ddp_weighted", accumulate=2, bad_count=[1, 3, "nograd"])
+@pytest.mark.parametrize("strategy", ENGINES)
+def test_a_loss_without_a_graph_on_one_rank_ends_every_rank_with_the_reason(tmp_path, strategy):
+    config = FabricConfig(strategy=strategy, accumulate=2, bad_count=[1, 3, "nograd"], pg_timeout=10)
     result = fabric_fit(config, tmp_path, timeout=60, expect_failure=True)
-    for rank in result:
-        assert rank["error"].startswith("RuntimeError: on rank 1, fabric.backward got a loss that is not attached")
-        assert len(rank["steps"]) == 1
+    if strategy == "ddp_weighted":  # the flag travels with the counts: the same error on every rank
+        for rank in result:
+            assert rank["error"].startswith("RuntimeError: on rank 1, fabric.backward got a loss that is not attached")
+            assert len(rank["steps"]) == 1
+    else:  # a sharded backward needs the graph: that rank says why, its peer fails as its connections close
+        assert result[1]["error"].startswith("RuntimeError: On rank 1, fabric.backward got a loss that is not")
+        assert "Connection closed by peer" in result[0]["error"]
 
 
 @pytest.mark.parametrize("strategy", ENGINES)

@@ -104,37 +104,23 @@ class FabricAdapter(ParallelStrategy):
         """``fabric.backward(loss, count=n)``: backpropagates ``loss`` weighted by its count within the window.
 
         Args:
-            tensor: the microbatch's loss: the mean over its ``count`` valid items, or their sum with
-                ``reduction="sum"``.
+            tensor: the microbatch's mean over its ``count`` valid items (their sum with ``reduction="sum"``).
             module: what Fabric passes (the module given as ``model=``, or ``None``).
             *args: passed on to the precision plugin's backward.
-            count: the microbatch's number of valid items (or the sum of its sample weights): an int, a float or
-                a 0-dim tensor, finite and ``>= 0``. An invalid or missing count raises the same error on every
-                rank when the window ends, before any optimizer step.
+            count: the number of valid items (or the sum of sample weights): an int, a float or a 0-dim tensor,
+                finite and ``>= 0``; an invalid or missing one raises on every rank when the window ends.
             reduction: ``"mean"`` or ``"sum"``, what ``tensor`` is over the items.
-            window_end: whether this backward ends the window. By default the backward that synchronizes
-                gradients does (the one outside ``fabric.no_backward_sync(model)``); ``False`` keeps a backward
-                that would synchronize local, for loops that accumulate without ``no_backward_sync``.
+            window_end: whether this backward ends the window; by default the one outside
+                ``fabric.no_backward_sync(model)`` does (``False`` keeps a syncing backward local).
             **kwargs: passed on to the precision plugin's backward.
         """
-        if reduction not in ("mean", "sum"):
-            raise ValueError(
-                f"fabric.backward got reduction={reduction!r}: pass 'mean' when the loss is the mean over the"
-                " microbatch's valid items (the default), or 'sum' when it is their sum."
-            )
         syncs = self._syncs()
-        if window_end and not syncs:
-            raise RuntimeError(
-                "fabric.backward(..., window_end=True) ran inside `fabric.no_backward_sync(model)`, which keeps"
-                " this backward from synchronizing gradients, so it cannot end the window. Run the window's last"
-                " microbatch outside the context (with `enabled=False`), or leave `window_end` out."
-            )
-        ends = syncs if window_end is None else window_end
+        ends = _ends_window(syncs, window_end, reduction)
         if self._window is None:
             self._window, self._skip_step = Window(self._loss_scale()), False
         window = self._window
         self.backwards += 1
-        factor = self._add(window, tensor, count, reduction == "sum")
+        factor = _record(window, tensor, count, reduction == "sum", replay=self.padding_step)
         if factor == 0:
             tensor = self._zero_loss(tensor)
         elif factor != 1:
@@ -185,18 +171,6 @@ class FabricAdapter(ParallelStrategy):
         self._participation, self.padding_step = participation, replay
 
     # ------------------------------------------------------------------------------------------- internals
-    def _add(self, window: Window, loss: Tensor, count: object, item_sum: bool) -> float:
-        """Records one microbatch in the window; returns its loss factor (0: it contributes nothing)."""
-        if self.padding_step:
-            return window.add(Count(0.0))  # a replayed batch of an exhausted rank
-        if loss.grad_fn is None:
-            window.reject(CountProblem.NO_GRAPH)
-            return 0.0
-        if count is None:
-            window.reject(CountProblem.MISSING)
-            return 0.0
-        return window.add(Count(*read_count(count)), loss, item_sum)
-
     def _finish_window(self) -> None:
         """Reads the window's global count (one host read per window) and acts on it, the same on every rank."""
         window, self._window = self._window, None
@@ -220,9 +194,42 @@ class FabricAdapter(ParallelStrategy):
 
     def _check_closed(self, what: str) -> None:
         if self._window is not None:
-            raise RuntimeError(
-                f"{what} was called while a window is open: the last `fabric.backward` did not end it (it ran inside"
-                " `fabric.no_backward_sync(model)` or with `window_end=False`), so the gradients are this rank's"
-                " own. Run the window's last backward outside `no_backward_sync` (or with `window_end=True`) before"
-                " clipping and stepping."
-            )
+            raise _still_open(what)
+
+
+def _ends_window(syncs: bool, window_end: bool | None, reduction: str) -> bool:
+    """Whether a backward ends its window; refuses arguments that cannot be weighted."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(
+            f"fabric.backward got reduction={reduction!r}: pass 'mean' when the loss is the mean over the"
+            " microbatch's valid items (the default), or 'sum' when it is their sum."
+        )
+    if window_end and not syncs:
+        raise RuntimeError(
+            "fabric.backward(..., window_end=True) ran inside `fabric.no_backward_sync(model)`, which keeps this"
+            " backward from synchronizing gradients, so it cannot end the window. Run the window's last microbatch"
+            " outside the context (with `enabled=False`), or leave `window_end` out."
+        )
+    return syncs if window_end is None else window_end
+
+
+def _record(window: Window, loss: Tensor, count: object, item_sum: bool, replay: bool) -> float:
+    """Records one microbatch in the window; returns its loss factor (0: it contributes nothing)."""
+    if replay:
+        return window.add(Count(0.0))  # a replayed batch of an exhausted rank
+    if loss.grad_fn is None:
+        window.reject(CountProblem.NO_GRAPH)
+        return 0.0
+    if count is None:
+        window.reject(CountProblem.MISSING)
+        return 0.0
+    return window.add(Count(*read_count(count)), loss, item_sum)
+
+
+def _still_open(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"{what} was called while a window is open: the last `fabric.backward` did not end it (it ran inside"
+        " `fabric.no_backward_sync(model)` or with `window_end=False`), so the gradients are this rank's own. Run"
+        " the window's last backward outside `no_backward_sync` (or with `window_end=True`) before clipping and"
+        " stepping."
+    )
