@@ -6,14 +6,14 @@ On an audited step, once every rank's gradient is synchronized and before the op
    buffers restored afterwards) and takes ``torch.autograd.grad`` of each microbatch mean, never touching
    ``.grad``; this rank's gradient sum is ``S_r = Σ_m n_m · ḡ_m``;
 2. SUM-reduces ``[S_r, n_r]`` in float64, so every rank holds the intended gradient ``g* = Σ_r S_r / N``
-   (the objective is stated in :mod:`lightning_weighted.hook`);
+   (the objective is stated in :mod:`lightning_weighted.window`);
 3. compares ``g*`` with the gradient in ``.grad`` (the one the optimizer is about to use):
    ``objective_error = max|g - g*| / max|g*|``;
 4. all-gathers per-rank checksums of parameters and gradients: ``replica_error`` is their largest relative
    spread across ranks, 0 when the replicas agree.
 
 Nothing depends on the strategy that produced ``.grad``, so the audit measures plain ``"ddp"`` as well as
-``"ddp_weighted"``. On the worked trace of :mod:`lightning_weighted.hook` plain DDP's gradient is 2.0
+``"ddp_weighted"``. On the worked trace of :mod:`lightning_weighted.window` plain DDP's gradient is 2.0
 where ``g* = 2.5``: an objective error of 0.2.
 """
 

@@ -3,10 +3,14 @@
 A rank whose data runs out keeps taking part in every remaining optimizer step: it replays its last real
 batch (the first batch of another rank if it had none) with a count of 0, so its forward, its backward and the
 collectives inside ``training_step`` (``self.log(..., sync_dist=True)``, metric syncs) stay matched, and the
-replay contributes exactly nothing to the objective. ``WeightedDDPStrategy.padding_step`` tells the module that
-the batch at hand is such a replay. The epoch ends on every rank at the same step: for sized loaders after the
-longest rank's last batch, for unsized ones (``IterableDataset``) at the first window boundary where no rank
-has a real batch left, a flag that rides in the window's count reduction (no extra collective per step).
+replay contributes exactly nothing to the objective. The strategy's ``padding_step`` tells the module that the
+batch at hand is such a replay. The epoch ends on every rank at the same step: for sized loaders after the longest
+rank's last batch, for unsized ones (``IterableDataset``) at the first window boundary where no rank has a real
+batch left, a flag that rides in the window's count payload (no extra collective per step).
+
+Where every rank holds as many batches, the train loader is left exactly as it is. A ``DataLoader`` that needs
+replays stays the same object (Lightning's worker seeding and worker checks reach it): its class is extended for
+the length of the fit, and restored afterwards.
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import _update_dataloader
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 
-__all__ = ["ParticipatingLoader", "Participation", "UnpaddedDistributedSampler"]
+__all__ = ["Participation", "UnpaddedDistributedSampler", "participating", "release", "without_padding"]
 
 T = TypeVar("T")
 Policy = Literal["pad", "strict"]
@@ -84,6 +89,8 @@ class Participation:
         # so loader positions are counted from the epoch's first `batch_idx`.
         self._first_batch_idx: int | None = None
         self.position = 0
+        self.loaders = 0  # train loaders set up so far (a CombinedLoader has several)
+        self.replaying: Any = None  # the loader that replays, when one must
 
     def new_epoch(self) -> None:
         """Forgets the last epoch (called when the train dataloader is iterated anew)."""
@@ -112,45 +119,58 @@ class Participation:
             raise ValueError(_strict_message(counts, f"after loader position {self.position}"))
 
 
-class ParticipatingLoader:
-    """Wraps a rank's train dataloader so that it keeps yielding until every rank is done.
+def participating(loader: Any, participation: Participation, device: torch.device) -> Any:
+    """The rank's train loader, made to keep yielding until every rank is done where ranks hold unequal data.
 
-    A sized loader reports the longest rank's length, so Lightning runs the same number of batches everywhere;
-    an unsized one pads until the strategy ends the epoch. Attributes (``sampler``, ``batch_sampler``, ...)
-    are those of the wrapped loader, so Lightning's ``set_epoch`` calls reach its sampler.
+    A loader with as many batches on every rank is returned as it is. Otherwise a sized one reports the longest
+    rank's length, so Lightning runs as many batches everywhere, and an unsized one replays until the strategy
+    ends the epoch. Several train loaders (a ``CombinedLoader``) must each hold as many batches on every rank.
     """
+    local = len(loader) if _has_len(loader) else None
+    lengths = _gather_counts(-1 if local is None else local, device)
+    participation.loaders += 1
+    sized = all(n >= 0 for n in lengths)
+    if sized and len(set(lengths)) == 1:
+        return loader
+    if participation.policy == "strict" and sized:
+        raise ValueError(_strict_message(lengths, "in their train dataloaders"))
+    if participation.loaders > 1 or participation.replaying is not None:
+        if not sized:
+            return loader  # several unsized loaders: as under "ddp", their ends are theirs to align
+        raise ValueError(
+            f"the train loaders of a CombinedLoader must each hold as many batches on every rank, but loader"
+            f" {participation.loaders - 1} differs ({_listed(lengths)}). Even out their shards, or combine them into"
+            " one loader, whose uneven length the ranks then share with replays."
+        )
+    replays = _Replays(participation, None if not sized else max(lengths), exchange=min(lengths) <= 0, device=device)
+    if isinstance(loader, DataLoader):
+        loader._lw_replays = replays
+        loader.__class__ = _replaying_class(type(loader))
+    else:
+        loader = _ReplayingIterable(loader, replays)
+    participation.replaying = loader
+    return loader
 
-    def __init__(self, loader: Any, participation: Participation, device: torch.device) -> None:
-        self.loader = loader
-        self.participation = participation
-        self.device = device
-        local = len(loader) if _has_len(loader) else None
-        lengths = _gather_counts(-1 if local is None else local, device)
-        # a sized loader with a batch on every rank needs no template exchange at each epoch's start
-        self._exchange = min(lengths) <= 0
-        if any(n < 0 for n in lengths):
-            self.length: int | None = None
-        else:
-            if participation.policy == "strict" and len(set(lengths)) > 1:
-                raise ValueError(_strict_message(lengths, "in their train dataloaders"))
-            self.length = max(lengths)
-        self._template: Any = _END
 
-    def __len__(self) -> int:
-        if self.length is None:
-            raise TypeError("this rank's train dataloader has no length")
-        return self.length
+def release(participation: Participation) -> None:
+    """Gives the replaying loader back its own class; called when the fit ends."""
+    loader, participation.replaying, participation.loaders = participation.replaying, None, 0
+    if isinstance(loader, _ReplayingLoader):
+        loader.__class__ = type(loader).__mro__[2]  # the class `_replaying_class` extended
+        del loader._lw_replays
 
-    def __getattr__(self, name: str) -> Any:
-        loader = self.__dict__.get("loader")
-        if loader is None:
-            raise AttributeError(name)
-        return getattr(loader, name)
 
-    def __iter__(self) -> Iterator[Any]:
+class _Replays:
+    """Yields a rank's batches, then replays until every rank is done (see the module docstring)."""
+
+    def __init__(self, participation: Participation, length: int | None, exchange: bool, device: torch.device):
+        self.participation, self.length, self.device = participation, length, device
+        self.exchange = exchange  # a rank may have no batch at all: its first epoch batch comes from a peer
+        self.template: Any = _END
+
+    def iterate(self, iterator: Iterator[Any]) -> Iterator[Any]:
         state = self.participation
         state.new_epoch()
-        iterator = iter(self.loader)
 
         def fetch() -> Any:
             item = next(iterator, _END)
@@ -163,11 +183,11 @@ class ParticipatingLoader:
         yielded = 0
         while self.length is None or yielded < self.length:
             if lookahead is _END:
-                if self._template is _END:
+                if self.template is _END:
                     return  # no rank has a batch this epoch
-                item = self._template
+                item = self.template
             else:
-                item, self._template = lookahead, lookahead
+                item, self.template = lookahead, lookahead
                 state.seen += 1
                 lookahead = fetch()
             yielded += 1
@@ -176,21 +196,65 @@ class ParticipatingLoader:
     def _share_template(self, first: Any) -> None:
         """Gives a rank without any batch so far one real batch to replay (a collective only when needed)."""
         if first is not _END:
-            self._template = first
-        if not self._exchange or not dist.is_initialized():
+            self.template = first
+        if not self.exchange or not dist.is_initialized():
             return
-        missing = _gather_counts(int(self._template is _END), self.device)
+        missing = _gather_counts(int(self.template is _END), self.device)
         if not any(missing) or all(missing):
             return
         source = missing.index(0)
-        box = [self._template if dist.get_rank() == source else None]
+        box = [self.template if dist.get_rank() == source else None]
         dist.broadcast_object_list(box, src=source)
-        if self._template is _END:
-            self._template = box[0]
+        if self.template is _END:
+            self.template = box[0]
+
+
+class _ReplayingLoader(DataLoader[Any]):
+    """Placed before a ``DataLoader``'s own class for one fit; the instance keeps its attributes and workers."""
+
+    _lw_replays: _Replays
+
+    def __len__(self) -> int:
+        if self._lw_replays.length is None:
+            raise TypeError("this rank's train dataloader has no length")
+        return self._lw_replays.length
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator over DataLoader's own iterator
+        return self._lw_replays.iterate(iter(super().__iter__()))
+
+
+def _replaying_class(cls: type[DataLoader[Any]]) -> type[DataLoader[Any]]:
+    """``cls`` extended by ``_ReplayingLoader``, under its own name (one class per loader class)."""
+    if cls not in _REPLAYING:
+        _REPLAYING[cls] = type(cls.__name__, (_ReplayingLoader, cls), {"__module__": cls.__module__})
+    return _REPLAYING[cls]
+
+
+_REPLAYING: dict[type[DataLoader[Any]], type[DataLoader[Any]]] = {}
+
+
+class _ReplayingIterable:
+    """The same for a train "loader" that is not a ``DataLoader`` (any iterable Lightning accepts)."""
+
+    def __init__(self, iterable: Any, replays: _Replays) -> None:
+        self.iterable, self.replays = iterable, replays
+
+    def __len__(self) -> int:
+        if self.replays.length is None:
+            raise TypeError("this rank's train dataloader has no length")
+        return self.replays.length
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.replays.iterate(iter(self.iterable))
 
 
 def without_padding(dataloader: object) -> object:
-    """Swaps a padding ``DistributedSampler`` for one that repeats no item: the objective counts each item once."""
+    """Swaps a padding ``DistributedSampler`` for one that repeats no item: the objective counts each item once.
+
+    The sampler is replaced inside the loader Lightning has just built, which keeps every argument of a
+    ``DataLoader`` subclass; where that is impossible the loader is built once more, and where that fails too the
+    padding sampler stays and rank 0 says so.
+    """
     if not isinstance(dataloader, DataLoader):
         return dataloader
     sampler = dataloader.sampler
@@ -203,7 +267,21 @@ def without_padding(dataloader: object) -> object:
         shuffle=sampler.shuffle,
         seed=sampler.seed,
     )
-    return _update_dataloader(dataloader, unpadded)
+    batches = dataloader.batch_sampler
+    if batches is None or (type(batches) is BatchSampler and batches.sampler is sampler):
+        if batches is not None:
+            batches.sampler = unpadded
+        object.__setattr__(dataloader, "sampler", unpadded)  # `DataLoader.__setattr__` guards it after `__init__`
+        return dataloader
+    try:
+        return _update_dataloader(dataloader, unpadded)
+    except Exception as error:  # Lightning cannot rebuild every loader; the padded one still trains
+        rank_zero_warn(
+            f"The {type(dataloader).__name__}'s DistributedSampler pads each rank to the same length, so up to"
+            f" {sampler.num_replicas - 1} items repeat every epoch and count twice; it could not be replaced ({error})."
+            " Pass a sampler of your own, or a DataLoader that Lightning can re-create."
+        )
+        return dataloader
 
 
 def _has_len(loader: Any) -> bool:
@@ -224,9 +302,13 @@ def _gather_counts(local: int, device: torch.device, group: dist.ProcessGroup | 
     return [round(v) for v in vector.tolist()]
 
 
+def _listed(counts: list[int]) -> str:
+    return ", ".join(f"rank {r}: {'?' if n < 0 else n}" for r, n in enumerate(counts))
+
+
 def _strict_message(counts: list[int], where: str) -> str:
-    listed = ", ".join(f"rank {r}: {'?' if n < 0 else n}" for r, n in enumerate(counts))
     return (
         f"participation='strict' needs every rank to hold the same number of batches, but they differ {where}"
-        f" ({listed}). Even out the shards, or use participation='pad' to let exhausted ranks contribute zero."
+        f" ({_listed(counts)}). Even out the shards, or use participation='pad' to let exhausted ranks contribute"
+        " zero."
     )

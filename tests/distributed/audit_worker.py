@@ -11,6 +11,7 @@ import json
 from datetime import timedelta
 from typing import Any
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
@@ -69,8 +70,7 @@ class Save(Callback):
             "w": float(pl_module.w.detach()),
             "global_step": trainer.global_step,
         }
-        with open(f"{self.out}.rank{trainer.global_rank}", "w") as file:
-            json.dump(record, file)
+        torch.save(record, f"{self.out}.rank{trainer.global_rank}")
 
 
 def main() -> None:

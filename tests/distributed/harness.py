@@ -40,13 +40,15 @@ def fit(
     expect_failure: bool | None = False,
     output: bool = False,
     lightning: bool = False,
+    script: str = "worker.py",
 ) -> Any:
-    """Trains `config` on its ranks; returns each rank's record, or the finished run when it must fail.
+    """Trains `config` on its ranks with a rank script of this folder; returns each rank's record (what it saved
+    with `torch.save` to `<out>.rank<r>`), or the finished run when it must fail.
 
     With `expect_failure=None` either may happen: the records when every rank saved one, else the run.
     With `output=True` a successful run returns `(records, output)`; `lightning` as in `run_worker`.
     """
-    out, done = run_worker("worker.py", config, tmp_path, timeout, lightning=lightning)
+    out, done = run_worker(script, config, tmp_path, timeout, lightning=lightning)
     if expect_failure is None:
         if done.returncode == 0 and all(Path(f"{out}.rank{r}").exists() for r in range(config.world_size)):
             return [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(config.world_size)]

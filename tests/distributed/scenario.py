@@ -67,6 +67,9 @@ class Config:
     bucket_cap_mb: float | None = None  # DDP's bucket size: a tiny one puts every parameter in its own bucket
     ride_limit_bytes: int | None = None  # WeightedReduceState.ride_limit_bytes (0: the counts never ride)
     fp16_backward: bool = False  # take the strategy's fp16 path (mean-sized losses; Lightning has no CPU fp16)
+    loss_shape: Sequence[int] | None = None  # the mean reshaped to this one-element shape
+    item_sum: bool = False  # return {"loss": Σ w·ℓ, "count": n, "reduction": "sum"}
+    no_count: bool = False  # return {"loss": mean}
 
 
 def make_model(seed: int) -> nn.Module:
@@ -173,8 +176,14 @@ class WeightedModule(LightningModule):
         if self.config.count_override is not None:
             value = self.config.count_override
             count = int(value) if float(value).is_integer() else value
+        if self.config.loss_shape is not None:
+            mean = mean.reshape(self.config.loss_shape)
         if self.config.bare_loss:
             return mean  # type: ignore[return-value]
+        if self.config.item_sum:
+            return {"loss": (losses * w).sum(), "count": count, "reduction": "sum"}
+        if self.config.no_count:
+            return {"loss": mean}
         if self.config.log_sync_dist:
             self.log("train/mean", mean.detach().nan_to_num(), sync_dist=True, batch_size=len(w))
         if self.config.bad_count is not None and list(self.config.bad_count[:2]) == [self.global_rank, batch_idx]:

@@ -19,8 +19,9 @@ def _rows(tmp_path: Path, column: str) -> list[dict[str, str]]:
 def test_counts_from_the_batch_train_the_reference_and_the_csv_holds_the_weighted_objective(tmp_path):
     config = Config(strategy="ddp_weighted", counter="mask", bare_loss=True, accumulate=2, lengths=(6, 4))
     expected = reference(config)
-    result = fit(config, tmp_path)
+    result, output = fit(config, tmp_path, output=True)
     assert max_relative_error(result[0]["params"], expected["params"]) < 1e-5
+    assert "It is recommended to use `self.log(" not in output  # the values are global already: no advice to act on
 
     rows = _rows(tmp_path, "train/items")
     assert len(rows) == len(expected["losses"]) == 3

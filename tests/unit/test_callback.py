@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from lightning.pytorch import Trainer
 
-from lightning_weighted import ItemCounter
+from lightning_weighted import ItemCounter, WindowResult
 from lightning_weighted._counts import CountProblem, read_count
 
 LABELS = torch.tensor(
@@ -94,6 +96,20 @@ def test_it_refuses_a_strategy_that_does_not_weight():
         match=r"ItemCounter supplies counts to a weighted strategy \(`strategy='ddp_weighted'`\), but the Trainer",
     ):
         ItemCounter().setup(trainer, None, "fit")  # type: ignore[arg-type]
+
+
+def test_items_per_sec_is_measured_over_the_step_not_since_the_callback_was_built():
+    counter = ItemCounter()
+    time.sleep(0.5)  # the callback is built long before training starts
+    logged: dict[str, float] = {}
+    module = SimpleNamespace(device=torch.device("cpu"), log_dict=lambda values, **_: logged.update(values))
+    strategy = SimpleNamespace(last_window=None, supply_count=lambda *_, **__: None)
+    trainer = SimpleNamespace(strategy=strategy, logger=None, global_step=0)
+    counter.on_train_batch_start(trainer, module, torch.zeros(4, 2), 0)  # type: ignore[arg-type]
+    strategy.last_window = WindowResult(step=0, items=1000.0, local_items=400.0, loss=0.5)
+    counter.on_train_batch_end(trainer, module, None, torch.zeros(4, 2), 0)  # type: ignore[arg-type]
+    assert logged["train/items"] == 1000.0
+    assert logged["train/items_per_sec"] > 1000.0 / 0.5  # the step took far less than the wait before it
 
 
 def test_its_state_round_trips_through_a_checkpoint():

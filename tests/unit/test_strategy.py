@@ -14,7 +14,6 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 import lightning_weighted
 from lightning_weighted import UnpaddedDistributedSampler, WeightedDDPStrategy, WeightedReduceState
-from lightning_weighted.participation import ParticipatingLoader
 from lightning_weighted.strategies._trainer import LOADER_BARRIERS
 
 NAMES = {
@@ -109,7 +108,6 @@ def test_lightning_names_the_barrier_before_each_dataloader_and_the_patches_leav
 
     assert set(LOADER_BARRIERS) <= set(strategy.barriers)  # fails if Lightning renames them
     validation, train, test = strategy.loaders
-    assert isinstance(train, ParticipatingLoader)
-    for loader in (validation, train.loader, test):
+    for loader in (validation, train, test):
         assert type(loader.sampler) is UnpaddedDistributedSampler  # Lightning's padding sampler, swapped
     assert not {"on_train_batch_start", "lr_scheduler_step"} & set(vars(model))  # the module as it was

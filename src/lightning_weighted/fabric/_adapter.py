@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from lightning_weighted._counts import Count, CountPayload, CountProblem, Wording, read_count
 from lightning_weighted.fabric._loader import FabricLoader
-from lightning_weighted.participation import ParticipatingLoader, Participation, Policy, without_padding
+from lightning_weighted.participation import Participation, Policy, participating, without_padding
 from lightning_weighted.window import LossScale, Window, WindowResult
 
 __all__ = ["FABRIC", "FabricAdapter"]
@@ -162,9 +162,11 @@ class FabricAdapter(ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
-        # Each item once per epoch (no padding sampler), and every rank yields batches until every rank is done.
-        loader = ParticipatingLoader(without_padding(dataloader), Participation(self._policy), self.root_device)
-        return FabricLoader(loader, self)
+        # Each item once per epoch (no padding sampler); where the ranks' batch counts differ, every rank yields
+        # batches until every rank is done. A loader with as many batches everywhere is left as it is.
+        participation = Participation(self._policy)
+        loader = participating(without_padding(dataloader), participation, self.root_device)
+        return loader if participation.replaying is None else FabricLoader(loader, participation, self)
 
     def begin_batch(self, participation: Participation, replay: bool) -> None:
         """Called by a set-up loader as it yields a batch: whether the batch is a replay of an exhausted rank."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from lightning_weighted.participation import ParticipatingLoader, Participation
+from lightning_weighted.participation import Participation
 
 __all__ = ["FabricLoader"]
 
@@ -25,18 +25,23 @@ class _Stepping(Protocol):
 class FabricLoader:
     """Yields a rank's batches until every rank is done; an exhausted rank replays a batch, counted as 0.
 
-    ``fabric.setup_dataloaders`` returns it (inside Fabric's own wrapper) under a weighted strategy. Each batch it
-    yields is marked with its position, and the strategy learns whether it is a replay (``padding_step``).
-    An epoch ends where :class:`~lightning_weighted.participation.ParticipatingLoader` says: a sized loader after
-    the longest rank's last batch; an unsized one at the first window end where no rank has data left, or, in a
-    loop that runs no backward between its batches (evaluation), where this rank's own data ends, as with plain
-    Fabric. Attributes (``sampler``, ``batch_sampler``, ...) are the wrapped loader's, so Fabric's ``set_epoch``
-    calls reach its sampler.
+    ``fabric.setup_dataloaders`` returns it (inside Fabric's own wrapper) under a weighted strategy where the ranks'
+    batch counts differ. Each batch it yields is marked with its position, and the strategy learns whether it is a
+    replay (``padding_step``). An epoch ends where :func:`~lightning_weighted.participation.participating` says: a
+    sized loader after the longest rank's last batch; an unsized one at the first window end where no rank has data
+    left, or, in a loop that runs no backward between its batches (evaluation), where this rank's own data ends, as
+    with plain Fabric. Attributes (``sampler``, ``batch_sampler``, ...) are the wrapped loader's, so Fabric's
+    ``set_epoch`` calls reach its sampler.
     """
 
-    def __init__(self, loader: ParticipatingLoader, strategy: _Stepping) -> None:
+    def __init__(self, loader: Any, participation: Participation, strategy: _Stepping) -> None:
         self.loader = loader
+        self.participation = participation
         self.strategy = strategy
+        try:
+            self.sized = len(loader) >= 0
+        except (TypeError, NotImplementedError):
+            self.sized = False
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -48,14 +53,14 @@ class FabricLoader:
         return getattr(loader, name)
 
     def __iter__(self) -> Iterator[Any]:
-        state = self.loader.participation
+        state = self.participation
         backwards = -1  # the strategy's backward count when the previous batch was yielded
         try:
             for index, batch in enumerate(self.loader):
                 if state.stop:
                     return  # every rank is out of data: the window that ended says so on every rank
                 replay = state.begin_batch(index)
-                if replay and self.loader.length is None and self.strategy.backwards == backwards:
+                if replay and not self.sized and self.strategy.backwards == backwards:
                     return  # an unsized loader in a loop without backward (evaluation): no window ends its epoch
                 self.strategy.begin_batch(state, replay)
                 backwards = self.strategy.backwards

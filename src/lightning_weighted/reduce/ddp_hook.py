@@ -136,11 +136,12 @@ class WeightedReduceState:
             )
         if self._pending is None:
             raise RuntimeError(
-                "no gradient of this window reached weighted_allreduce_hook: DDP reduces a bucket only once every"
-                " parameter in it has a gradient, so a parameter that took no part in the loss holds the reduction"
-                " back. If that is intended, pass `find_unused_parameters=True`"
-                " (`strategy='ddp_weighted_find_unused_parameters_true'`); otherwise make every parameter"
-                " contribute to the loss."
+                "It looks like your LightningModule has parameters that were not used in producing the loss returned"
+                " by training_step: DDP reduces a gradient bucket only once every parameter in it has a gradient, and"
+                " no bucket of this window reached weighted_allreduce_hook. If this is intentional, enable the"
+                " detection of unused parameters in DDP, either with the strategy name"
+                " `strategy='ddp_weighted_find_unused_parameters_true'` or with"
+                " `strategy=WeightedDDPStrategy(find_unused_parameters=True)`."
             )
         self._pending.wait()
         assert self._summed is not None

@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from lightning_weighted._counts import Count, CountPayload, CountProblem, count_of, read_count, split_output
 from lightning_weighted._patch import patched
-from lightning_weighted.participation import ParticipatingLoader, Participation, Policy, without_padding
+from lightning_weighted.participation import Participation, Policy, participating, release, without_padding
 from lightning_weighted.window import LossScale, Window, WindowResult
 
 __all__ = ["LOADER_BARRIERS", "TrainerAdapter", "zero_loss"]
@@ -105,22 +105,26 @@ class TrainerAdapter(ParallelStrategy):
     @override
     def teardown(self) -> None:
         self._patches.close()
+        release(self._participation)
         super().teardown()
 
     @override
     def barrier(self, name: str | None = None) -> None:
         self._loading = LOADER_BARRIERS.get(name or "", "")
+        if self._loading == "train":
+            release(self._participation)  # the train loaders are set up anew
         super().barrier(name)  # type: ignore[safe-super]  # the engine's strategy, next in the MRO
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        stage, self._loading = self._loading, ""
+        # Lightning processes each loader of a CombinedLoader in turn after one barrier.
+        stage = self._loading
         if not stage:
             return dataloader
         dataloader = without_padding(dataloader)
         if stage != "train":
             return dataloader
-        return ParticipatingLoader(dataloader, self._participation, self.root_device)
+        return participating(dataloader, self._participation, self.root_device)
 
     def supply_count(self, count: object, integer: bool = False) -> None:
         """Gives the count of the next microbatch, for a ``training_step`` that does not return one.

@@ -11,6 +11,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.exceptions import _augment_message
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -146,6 +147,14 @@ class WeightedDDPStrategy(TrainerAdapter, DDPStrategy):
         return super().training_step(*args, **kwargs)
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        _augment_message(
+            exception,
+            pattern=".*Expected to have finished reduction in the prior iteration.*",
+            new_message=_UNUSED_PARAMETERS,
+        )
+
+    @override
     def _loss_scale(self) -> LossScale:
         return self._scale or LossScale.ITEM_SUM
 
@@ -156,6 +165,14 @@ class WeightedDDPStrategy(TrainerAdapter, DDPStrategy):
     @override
     def _summed_counts(self) -> list[float]:
         return self._reduce_state.counts()
+
+
+_UNUSED_PARAMETERS = (
+    "It looks like your LightningModule has parameters that were not used in producing the loss returned by"
+    " training_step. If this is intentional, enable the detection of unused parameters in DDP, either with the"
+    " strategy name `strategy='ddp_weighted_find_unused_parameters_true'` or with"
+    " `strategy=WeightedDDPStrategy(find_unused_parameters=True)`."
+)
 
 
 def _fp16_backward(plugin: object) -> bool:
