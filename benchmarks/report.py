@@ -24,6 +24,12 @@ TITLES = {
 ANALYSIS_FILE = "ANALYSIS.md"  # hand-written findings, linked from the report when present
 
 
+def sharded_section(data: dict[str, Any]) -> str:
+    from sharded_step import section  # imports torch: only when a report is written
+
+    return section(data)
+
+
 def ratio_cell(stats: dict[str, float]) -> str:
     return f"{stats['median']:.3f} [{stats['p10']:.3f}, {stats['p90']:.3f}]"
 
@@ -383,6 +389,7 @@ def write_report(data: dict[str, Any], out: Path) -> None:
         "",
         "![results](results.png)",
         "",
+        sharded_section(data),
     ]
     if analysis.exists():
         sections += [f"What these figures mean: [{ANALYSIS_FILE}]({ANALYSIS_FILE}).", ""]

@@ -7,7 +7,8 @@ Runs, on 2 gloo ranks of this machine, each level in fresh processes under a har
   over parameters × accumulation × gradient dtype, repeated ``--repeats`` times;
 - ``sweep``: one rank holding 0/25/50 % fewer microbatches per epoch, padded with zero-count microbatches;
 - ``trainer``: the same variants as whole Lightning ``Trainer`` fits (``trainer_step.py``);
-- ``memory``: one process group per variant, peak resident memory growth over a few steps.
+- ``memory``: one process group per variant, peak resident memory growth over a few steps;
+- ``sharded``: fsdp2_weighted and fsdp_weighted beside plain FSDP2 and FSDP1 (``sharded_step.py``).
 
 Then writes ``RESULTS.md``, ``results.png`` and ``results.json`` into ``--out``.
 
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sharded_step
 from common import HERE, Point, launch, paired_ratios, parameter_count, summary
 
 ABLATION_VARIANTS = [
@@ -68,11 +70,12 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         for dtype in dtypes
     ]
     sweeps = [{**sweep, "imbalance": s} for s in (0.0, 0.25, 0.5)]
-    return {"raw": raw, "trainer": trainer, "sweep": sweeps, "memory": memory, "ablation": ablation}
+    grid = {"raw": raw, "trainer": trainer, "sweep": sweeps, "memory": memory, "ablation": ablation}
+    return {**grid, "sharded": sharded_step.points(args)}
 
 
 def run_levels(args: argparse.Namespace, grid: dict[str, Any]) -> dict[str, Any]:
-    results: dict[str, Any] = {"raw": [], "trainer": [], "memory": [], "probe": None, "seconds": {}}
+    results: dict[str, Any] = {"raw": [], "trainer": [], "memory": [], "probe": None, "seconds": {}, "sharded": []}
     scratch = Path(tempfile.mkdtemp(prefix="bench-"))
     levels = set(args.levels.split(","))
 
@@ -110,6 +113,15 @@ def run_levels(args: argparse.Namespace, grid: dict[str, Any]) -> dict[str, Any]
             }
             results["trainer"].append(timed("trainer", "trainer_step.py", spec, args.timeout)["points"])
             _progress(f"trainer repeat {repeat}", results)
+        if "sharded" in levels:
+            spec = sharded_step.spec(grid["sharded"], repeat, args)
+            results["sharded"].append(timed("sharded", "sharded_step.py", spec, args.timeout)["points"])
+            _progress(f"sharded repeat {repeat}", results)
+    if {"sharded", "memory"} <= levels:
+        results["sharded_memory"] = [
+            timed("sharded", "sharded_step.py", spec, args.timeout)["memory"]
+            for spec in sharded_step.memory_specs(grid["sharded"], args)
+        ]
     if "memory" in levels:
         for variant in ("ddp", "ddp_weighted", "post_hoc", "pre_count"):
             spec = {
@@ -176,6 +188,8 @@ def aggregate(results: dict[str, Any]) -> dict[str, Any]:
         "ablation": ablation,
         "trainer": trainer,
         "memory": results["memory"],
+        "sharded": sharded_step.pool(results["sharded"]) if results["sharded"] else [],
+        "sharded_memory": results.get("sharded_memory", []),
         "probe": results["probe"],
         "seconds": results["seconds"],
     }
@@ -194,7 +208,7 @@ def main() -> None:
     parser.add_argument("--sweep-rounds", type=int, default=8, help="timed epochs per imbalance")
     parser.add_argument("--warmup", type=int, default=5, help="untimed rounds first (20M: half)")
     parser.add_argument("--ablation-rounds", type=int, default=80, help="timed rounds of the cost ablation")
-    parser.add_argument("--levels", default="raw,sweep,ablation,trainer,memory")
+    parser.add_argument("--levels", default="raw,sweep,ablation,trainer,memory,sharded")
     parser.add_argument("--out", type=Path, default=HERE, help="where RESULTS.md, results.png, results.json go")
     parser.add_argument("--timeout", type=float, default=900, help="hard timeout of one launch (s)")
     parser.add_argument("--pg-timeout", type=float, default=180, help="gloo process-group timeout (s)")

@@ -1,17 +1,20 @@
 """A tiny causal language model on uneven shards: plain "ddp" drifts from the reference, "ddp_weighted" does not.
 
     python examples/tiny_lm.py --out runs/tiny_lm
+    python examples/tiny_lm.py --out runs/tiny_lm_fsdp2 --sharded fsdp2  # or --sharded fsdp (FSDP1)
 
 trains the same GRU language model, from the same initial weights on the same microbatches, three ways:
 
 - ``reference``: one process, float64, where each optimizer step sees the union of both shards' microbatches of
   that step and minimises the mean over all their valid target tokens;
-- ``ddp`` and ``ddp_weighted``: two CPU processes (gloo); rank 0 holds short sequences, rank 1 long ones, so
-  the valid-token counts of the ranks differ several-fold.
+- ``ddp`` and ``ddp_weighted`` (``fsdp2`` and ``fsdp2_weighted``, ``fsdp`` and ``fsdp_weighted`` with
+  ``--sharded``): two CPU processes (gloo); rank 0 holds short sequences, rank 1 long ones, so the valid-token
+  counts of the ranks differ several-fold.
 
 Every run logs to ``<out>/<run>/metrics.csv`` (Lightning's CSVLogger) and saves its parameters after every
 optimizer step; the script then writes ``curves.csv``, ``summary.json`` and ``tiny_lm.png``. The three runs
-share this one invocation, so the two-process ones use the spawn launcher.
+share this one invocation: the DDP ones use the spawn launcher, the sharded ones (whose strategies launch by
+re-running the script, as ``"ddp"`` does) run as ``tiny_lm.py ... --run <name>``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -33,14 +38,27 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch import Tensor, nn
 
 import lightning_weighted
 from lightning_weighted.audit import ObjectiveAudit, is_replaying
+from lightning_weighted.strategies.fsdp import AnyDeviceFSDPStrategy
 
 IGNORE = -100
-RUNS = ("reference", "ddp", "ddp_weighted")
+PLAIN = {"ddp": DDPStrategy, "fsdp2": ModelParallelStrategy, "fsdp": AnyDeviceFSDPStrategy}
+WEIGHTED = {
+    "ddp": lightning_weighted.WeightedDDPStrategy,
+    "fsdp2": lightning_weighted.WeightedModelParallelStrategy,
+    "fsdp": lightning_weighted.WeightedFSDPStrategy,
+}
+
+
+def runs(args: argparse.Namespace) -> tuple[str, str, str]:
+    """The reference, the plain strategy and its weighted counterpart."""
+    engine = args.sharded or "ddp"
+    return "reference", engine, f"{engine}_weighted"
+
 
 # A small grammar: S -> NP VP "." ; NP -> DET [ADJ] NOUN ; VP -> VERB NP [PREP NP]
 DET, ADJ = ["the", "a"], ["big", "small", "red", "old"]
@@ -127,6 +145,13 @@ class TinyLM(LightningModule):
         self.log("global_loss", self.global_losses[-1], on_step=True)
         self.log("tokens", float(totals[1]), on_step=True)
 
+    def configure_model(self) -> None:
+        if self.run.startswith("fsdp2"):  # FSDP2: each block sharded over the data-parallel ranks
+            from torch.distributed.fsdp import fully_shard
+
+            for block in (self.embed, self.gru, self.head):
+                fully_shard(block, mesh=self.device_mesh["data_parallel"])
+
     def train_dataloader(self) -> Any:
         if self.run == "reference":
             shards = [make_shard(self.args, rank) for rank in range(2)]
@@ -155,8 +180,10 @@ class ParameterSnapshots(Callback):
 
     def _take(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.steps += 1
+        with whole_parameters(trainer):  # a collective under FSDP: every rank takes part
+            flat = torch.cat([_whole(p.detach()).flatten() for p in pl_module.parameters()])
         if trainer.global_rank == 0:
-            self.snapshots.append(torch.cat([p.detach().flatten() for p in pl_module.parameters()]).clone())
+            self.snapshots.append(flat.clone())
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._take(trainer, pl_module)
@@ -171,6 +198,34 @@ class ParameterSnapshots(Callback):
             torch.save({"params": torch.stack(self.snapshots), "loss": pl_module.global_losses}, self.path)
 
 
+def whole_parameters(trainer: Trainer) -> Any:
+    """FSDP1 keeps flat shards outside its forward: gather them for the block; the others need nothing."""
+    from contextlib import nullcontext
+
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = trainer.strategy.model
+    if isinstance(model, FullyShardedDataParallel):
+        return FullyShardedDataParallel.summon_full_params(model, writeback=False)
+    return nullcontext()
+
+
+def _whole(tensor: Tensor) -> Tensor:
+    full_tensor = getattr(tensor, "full_tensor", None)  # FSDP2's DTensor shards
+    return full_tensor() if full_tensor is not None else tensor
+
+
+def make_strategy(args: argparse.Namespace, run: str) -> Any:
+    engine = run.removesuffix("_weighted")
+    kind = WEIGHTED[engine] if run.endswith("_weighted") else PLAIN[engine]
+    timeout = timedelta(seconds=args.timeout)
+    if engine == "ddp":
+        return kind(start_method="spawn", timeout=timeout)
+    if engine == "fsdp2":
+        return kind(data_parallel_size=2, tensor_parallel_size=1, timeout=timeout)
+    return kind(timeout=timeout, auto_wrap_policy={nn.Embedding, nn.GRU, nn.Linear})
+
+
 def train(args: argparse.Namespace, run: str) -> None:
     out = Path(args.out)
     (out / run).mkdir(parents=True, exist_ok=True)
@@ -178,8 +233,7 @@ def train(args: argparse.Namespace, run: str) -> None:
     if run == "reference":
         strategy: Any = "auto"
     else:
-        kind = lightning_weighted.WeightedDDPStrategy if run == "ddp_weighted" else DDPStrategy
-        strategy = kind(start_method="spawn", timeout=timedelta(seconds=args.timeout))
+        strategy = make_strategy(args, run)
         if args.audit_every:
             callbacks.append(ObjectiveAudit(every_n_steps=args.audit_every))
     trainer = Trainer(
@@ -214,31 +268,32 @@ def report(args: argparse.Namespace, seconds: dict[str, float]) -> dict[str, Any
     import matplotlib.pyplot as plt
 
     out = Path(args.out)
-    records = {run: torch.load(out / run / "record.pt") for run in RUNS}
+    names = runs(args)
+    records = {run: torch.load(out / run / "record.pt") for run in names}
     params = {run: record["params"].double() for run, record in records.items()}
     scale = params["reference"].norm(dim=1)
-    distance = {run: ((params[run] - params["reference"]).norm(dim=1) / scale).tolist() for run in RUNS[1:]}
+    distance = {run: ((params[run] - params["reference"]).norm(dim=1) / scale).tolist() for run in names[1:]}
     steps = list(range(len(scale)))  # 0: the initial parameters, t: after t optimizer steps
-    loss = {run: records[run]["loss"] for run in RUNS}  # loss[t]: at the parameters before step t + 1
-    curves = {"step": steps, **{f"distance_{run}": distance[run] for run in RUNS[1:]}}
-    curves.update({f"loss_{run}": [*loss[run], ""] for run in RUNS})
+    loss = {run: records[run]["loss"] for run in names}  # loss[t]: at the parameters before step t + 1
+    curves = {"step": steps, **{f"distance_{run}": distance[run] for run in names[1:]}}
+    curves.update({f"loss_{run}": [*loss[run], ""] for run in names})
     with open(out / "curves.csv", "w", newline="") as file:
         writer = csv.writer(file)
         writer.writerow(curves)
         writer.writerows(zip(*curves.values(), strict=True))
-    audits = {run: rows(out / run / "metrics.csv", "audit/objective_error") for run in RUNS[1:]}
+    audits = {run: rows(out / run / "metrics.csv", "audit/objective_error") for run in names[1:]}
 
     figure, axes = plt.subplots(2, 2, figsize=(12, 8.5))
     (a, b), (c, d) = axes
-    colors = {"reference": "black", "ddp": "tab:red", "ddp_weighted": "tab:blue"}
-    for run in RUNS[1:]:
+    colors = dict(zip(names, ("black", "tab:red", "tab:blue"), strict=True))
+    for run in names[1:]:
         a.semilogy(steps[1:], distance[run][1:], color=colors[run], label=f'"{run}"')
     a.set(title="(a) parameter distance from the reference", xlabel="optimizer step", ylabel="‖θ − θ_ref‖ / ‖θ_ref‖")
-    for run in RUNS:
+    for run in names:
         style = {"linestyle": "--", "linewidth": 2.5} if run == "reference" else {"linewidth": 1.2}
         b.plot(steps[:-1], loss[run], color=colors[run], label=run if run == "reference" else f'"{run}"', **style)
     b.set(title="(b) training loss: mean over all valid target tokens", xlabel="optimizer step", ylabel="cross-entropy")
-    for run in RUNS[1:]:
+    for run in names[1:]:
         gap = [max(abs(x - r), 1e-17) for x, r in zip(loss[run], loss["reference"], strict=True)]
         c.semilogy(steps[:-1], gap, color=colors[run], label=f'"{run}"')
     c.set(title="(c) |loss − reference loss|", xlabel="optimizer step")
@@ -250,9 +305,9 @@ def report(args: argparse.Namespace, seconds: dict[str, float]) -> dict[str, Any
         axis.legend()
         axis.grid(alpha=0.3)
     figure.suptitle(
-        f"tiny GRU language model, {args.steps} optimizer steps, 2 CPU ranks (rank 0 short sequences, rank 1 long"
-        f" ones), accumulate_grad_batches={args.accumulate}\nreference: 1 process, float64, each step on the union"
-        " of both ranks' microbatches"
+        f"tiny GRU language model, {args.steps} optimizer steps, 2 CPU ranks of {names[1]!r} (rank 0 short sequences,"
+        f" rank 1 long ones), accumulate_grad_batches={args.accumulate}\nreference: 1 process, float64, each step on"
+        " the union of both ranks' microbatches"
     )
     figure.tight_layout()
     figure.savefig(out / "tiny_lm.png", dpi=100)
@@ -260,10 +315,10 @@ def report(args: argparse.Namespace, seconds: dict[str, float]) -> dict[str, Any
 
     summary = {
         "steps": args.steps,
-        "final_distance": {run: distance[run][-1] for run in RUNS[1:]},
-        "max_distance": {run: max(distance[run]) for run in RUNS[1:]},
-        "final_loss": {run: loss[run][-1] for run in RUNS},
-        "audit_objective_error": {run: [float(r["audit/objective_error"]) for r in audits[run]] for run in RUNS[1:]},
+        "final_distance": {run: distance[run][-1] for run in names[1:]},
+        "max_distance": {run: max(distance[run]) for run in names[1:]},
+        "final_loss": {run: loss[run][-1] for run in names},
+        "audit_objective_error": {run: [float(r["audit/objective_error"]) for r in audits[run]] for run in names[1:]},
         "mean_tokens_per_rank_step": {
             f"rank{rank}": sum(int((t != IGNORE).sum()) for _, t in make_shard(args, rank)) / args.steps
             for rank in range(2)
@@ -286,6 +341,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--audit-every", type=int, default=25, help="ObjectiveAudit period in the 2-rank runs; 0: off")
     parser.add_argument("--timeout", type=float, default=120, help="process-group timeout of the 2-rank runs (s)")
+    parser.add_argument("--sharded", choices=("fsdp2", "fsdp"), help="train the 2-rank runs with FSDP2 or FSDP1")
+    parser.add_argument("--run", help=argparse.SUPPRESS)  # one sharded run, started by this script
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` prints every thread's stack
     try:
@@ -296,10 +353,16 @@ def main() -> None:
     # ranks read the variable when torch starts).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    if args.run:
+        train(args, args.run)
+        return
     seconds = {}
-    for run in RUNS:
+    for run in runs(args):
         start = time.perf_counter()
-        train(args, run)
+        if run == "reference" or not args.sharded:
+            train(args, run)
+        else:  # its strategy's launcher re-runs this command for rank 1
+            subprocess.run([sys.executable, __file__, *sys.argv[1:], "--run", run], check=True)
         seconds[run] = round(time.perf_counter() - start, 1)
     summary = report(args, seconds)
     print(json.dumps(summary, indent=2))

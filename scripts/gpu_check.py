@@ -1,9 +1,11 @@
-"""GPU check of ``ddp_weighted``: the worked trace and the float64 oracle on CUDA, one line per check.
+"""GPU check of ``ddp_weighted`` and ``fsdp2_weighted``: the worked trace and the float64 oracle on CUDA.
 
-Checks, each run as its own Lightning training in a subprocess with a hard timeout:
+Checks, each run as its own Lightning training in a subprocess with a hard timeout, one line per check:
 
 - ``ranks=1``: NCCL, world size 1, on ``cuda:0``. The trace's two microbatches ``[9, 9]`` and ``[7] * 6`` form one
-  accumulation window (``accumulate_grad_batches=2``).
+  accumulation window (``accumulate_grad_batches=2``). ``fsdp2_weighted`` (FSDP2, Lightning's
+  ``ModelParallelStrategy``) runs here too, against plain ``ModelParallelStrategy``: its module applies
+  ``fully_shard`` in ``configure_model`` over the one-rank data-parallel mesh.
 - ``ranks=2``: gloo with CUDA tensors, two processes both on ``cuda:0`` (the strategy's
   ``parallel_devices=[cuda:0, cuda:0]``; NCCL refuses two ranks on one GPU). Rank 0 holds ``[9, 9]``, rank 1
   ``[7] * 6``.
@@ -44,7 +46,7 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests" / "distributed")]  # this 
 
 import torch  # noqa: E402
 
-EXPECTED_W = {"ddp_weighted": 9.75, "ddp": 9.8}
+EXPECTED_W = {"ddp_weighted": 9.75, "ddp": 9.8, "fsdp2_weighted": 9.75, "fsdp2": 9.8}
 TARGETS = [[9.0, 9.0], [7.0] * 6]
 PHASE_TIMEOUT = 120.0  # seconds for one training run; a healthy one takes 10-30 s (imports, CUDA init)
 PG_TIMEOUT = timedelta(seconds=60)  # process-group timeout: a dead rank fails the check instead of hanging it
@@ -70,17 +72,20 @@ CHECKS = (
     Check("trace", "ddp_weighted", 1),
     Check("trace", "ddp", 1),
     Check("oracle", "ddp_weighted", 1),
+    Check("trace", "fsdp2_weighted", 1),
+    Check("trace", "fsdp2", 1),
+    Check("oracle", "fsdp2_weighted", 1),
     Check("trace", "ddp_weighted", 2),
     Check("trace", "ddp", 2),
     Check("oracle", "ddp_weighted", 2),
 )
 
 
-def oracle_config(ranks: int) -> Any:
+def oracle_config(ranks: int, strategy: str = "ddp_weighted") -> Any:
     """The oracle's scenario: uneven token counts per rank and microbatch, a short last window, 2 epochs."""
-    from scenario import Config
+    from sharded_worker import ShardedConfig
 
-    return Config(world_size=ranks, accumulate=3, batches=7, epochs=2, mode="tokens")
+    return ShardedConfig(strategy=strategy, world_size=ranks, accumulate=3, batches=7, epochs=2, mode="tokens")
 
 
 # ----------------------------------------------------------------------------------------- one training run
@@ -89,20 +94,29 @@ def oracle_config(ranks: int) -> Any:
 def train(check: Check, device_type: str, out: str) -> None:
     """Trains ``check`` on this rank (Lightning's popen launcher re-runs this command for rank 1)."""
     from lightning.pytorch import Callback, LightningModule, Trainer
-    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
     from scenario import WeightedModule
+    from sharded_worker import ShardedModule
 
     import lightning_weighted
+
+    sharded = check.strategy.startswith("fsdp2")
 
     class OneParameter(LightningModule):
         """``w = 10`` and one microbatch of trace targets per rank (both on rank 0 when it is alone)."""
 
         def __init__(self) -> None:
             super().__init__()
-            self.w = torch.nn.Parameter(torch.tensor(10.0))
+            self.half_square = HalfSquare(10.0)
 
         def training_step(self, batch: torch.Tensor, batch_idx: int) -> dict[str, Any]:
-            return {"loss": (0.5 * (self.w - batch) ** 2).mean(), "count": len(batch)}
+            return {"loss": self.half_square(batch).mean(), "count": len(batch)}
+
+        def configure_model(self) -> None:
+            if sharded:  # FSDP2 shards `w` over the one-rank data-parallel mesh and unshards it for each forward
+                from torch.distributed.fsdp import fully_shard
+
+                fully_shard(self.half_square, mesh=self.device_mesh["data_parallel"])
 
         def train_dataloader(self) -> Any:
             mine = TARGETS if check.ranks == 1 else [TARGETS[self.global_rank]]
@@ -116,16 +130,22 @@ def train(check: Check, device_type: str, out: str) -> None:
         """Writes what this rank ran on and its final parameters to ``<out>.rank<r>``."""
 
         def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-            ddp: Any = trainer.strategy.model  # the DistributedDataParallel wrapper
+            model: Any = trainer.strategy.model  # the DistributedDataParallel wrapper, or the module under FSDP2
+            if sharded:
+                from torch.distributed.fsdp import FSDPModule
+
+                hook = f"{sum(isinstance(m, FSDPModule) for m in model.modules())} FSDP2 modules"
+            else:
+                hook = str(model._get_ddp_logging_data().get("comm_hook"))
             self.launch = {
                 "backend": torch.distributed.get_backend(),
                 "world_size": torch.distributed.get_world_size(),
-                "device": str(next(pl_module.parameters()).device),
-                "comm_hook": str(ddp._get_ddp_logging_data().get("comm_hook")),
+                "device": str(whole(next(pl_module.parameters())).device),
+                "comm_hook": hook,
             }
 
         def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-            params = [p.detach().double().cpu().tolist() for p in pl_module.parameters()]
+            params = [whole(p.detach()).double().cpu().tolist() for p in pl_module.parameters()]
             record = {**self.launch, "rank": trainer.global_rank, "steps": trainer.global_step, "params": params}
             Path(f"{out}.rank{trainer.global_rank}").write_text(json.dumps(record))
 
@@ -133,14 +153,21 @@ def train(check: Check, device_type: str, out: str) -> None:
     torch.set_float32_matmul_precision("highest")  # TF32 matmuls would miss the oracle's 1e-5
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     backend = "nccl" if cuda and check.ranks == 1 else "gloo"
-    cls = lightning_weighted.WeightedDDPStrategy if check.strategy == "ddp_weighted" else DDPStrategy
-    strategy = cls(parallel_devices=[device] * check.ranks, process_group_backend=backend, timeout=PG_TIMEOUT)
+    strategy: Any
+    if sharded:  # one rank: the device comes from `devices=1`
+        cls: Any = lightning_weighted.WeightedModelParallelStrategy if "weighted" in check.strategy else None
+        cls = cls or ModelParallelStrategy
+        strategy = cls(data_parallel_size=1, tensor_parallel_size=1, process_group_backend=backend, timeout=PG_TIMEOUT)
+    else:
+        cls = lightning_weighted.WeightedDDPStrategy if check.strategy == "ddp_weighted" else DDPStrategy
+        strategy = cls(parallel_devices=[device] * check.ranks, process_group_backend=backend, timeout=PG_TIMEOUT)
     module: LightningModule
     if check.kind == "trace":
         module, limits = OneParameter(), {"max_steps": 1, "accumulate_grad_batches": len(TARGETS) // check.ranks}
     else:
-        config = oracle_config(check.ranks)
-        module, limits = WeightedModule(config), {"max_epochs": config.epochs, "accumulate_grad_batches": 3}
+        config = oracle_config(check.ranks, check.strategy)
+        model = ShardedModule(config) if sharded else WeightedModule(config)
+        module, limits = model, {"max_epochs": config.epochs, "accumulate_grad_batches": 3}
     trainer = Trainer(
         accelerator=device_type,
         devices=1,  # the device list comes from `parallel_devices`; `devices=2` would ask for two GPUs
@@ -158,6 +185,24 @@ def train(check: Check, device_type: str, out: str) -> None:
     trainer.fit(module)
 
 
+class HalfSquare(torch.nn.Module):
+    """``½ (w − y)²`` per item: the trace's one parameter ``w``, in a module whose forward FSDP2 can shard."""
+
+    def __init__(self, w: float) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor([w]))
+
+    def forward(self, targets: torch.Tensor) -> torch.Tensor:
+        """The per-item loss of ``targets``."""
+        return 0.5 * (self.w - targets) ** 2
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter as a whole tensor: FSDP2's DTensor shards gathered."""
+    full_tensor = getattr(tensor, "full_tensor", None)
+    return full_tensor() if full_tensor is not None else tensor
+
+
 # ------------------------------------------------------------------------------------------------ the checks
 
 
@@ -173,13 +218,16 @@ def judge(check: Check, device_type: str, records: list[dict[str, Any]]) -> tupl
     hooks = {r["comm_hook"] for r in records}
     if check.strategy == "ddp_weighted" and not all("weighted_allreduce_hook" in hook for hook in hooks):
         return False, f"comm hook {sorted(hooks)}, expected weighted_allreduce_hook"
+    sharded = all(hook.endswith("FSDP2 modules") and not hook.startswith("0 ") for hook in hooks)
+    if check.strategy.startswith("fsdp2") and not sharded:
+        return False, f"{sorted(hooks)}, expected a module sharded by FSDP2"
     if any(r["params"] != records[0]["params"] for r in records):
         return False, "replicas disagree"
     params = [torch.tensor(p, dtype=torch.float64) for p in records[0]["params"]]
     if check.kind == "trace":
         w, want = float(params[0]), EXPECTED_W[check.strategy]
         return abs(w - want) < 1e-5, f"w = {w:.6f} (expected {want}; {records[0]['steps']} step)"
-    error = max_relative_error(params, reference(oracle_config(check.ranks))["params"])
+    error = max_relative_error(params, reference(oracle_config(check.ranks, check.strategy))["params"])
     return error < 1e-5, f"max relative error {error:.2e} vs float64 reference (limit 1e-5)"
 
 
@@ -270,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             passed, detail, seconds, output = run_check(check, device_type, Path(workdir))
             failures += not passed
             backend = "nccl" if device_type == "cuda" and check.ranks == 1 else "gloo"
-            label = f"{check.kind:<6} {check.strategy:<12} ranks={check.ranks} {backend:<5}"
+            label = f"{check.kind:<6} {check.strategy:<14} ranks={check.ranks} {backend:<5}"
             print(f"{'PASS' if passed else 'FAIL'} {label} {seconds:6.1f}s  {detail}", flush=True)
             if not passed:
                 print("    " + "\n    ".join(output[-6000:].splitlines()), flush=True)

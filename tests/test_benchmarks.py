@@ -26,13 +26,13 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "--out",
         str(out),
         "--levels",
-        "raw,sweep,ablation,trainer",
+        "raw,sweep,ablation,trainer,sharded",
         "--timeout",
         "50",
         "--pg-timeout",
         "30",
     ]
-    done = run(command, timeout=60, env={"PYTHONWARNINGS": "ignore"})
+    done = run(command, timeout=90, env={"PYTHONWARNINGS": "ignore"})
     assert done.returncode == 0, done.stdout[-6000:]
     assert (out / "RESULTS.md").exists() and (out / "results.png").stat().st_size > 0
     data: dict[str, Any] = json.loads((out / "results.json").read_text())
@@ -74,3 +74,29 @@ def test_ddp_weighted_adds_no_collective_with_fp32_gradients(results: dict[str, 
         assert calls["gradient_bytes"] == bucket_bytes + 48  # the counts ride: 12 fp32 values in the first
         assert calls["other_calls"] == 0 and calls["other_bytes"] == 0
         assert entry["collectives"]["ddp"]["other_calls"] == 0
+
+
+SHARDED = {"fsdp2_weighted": "fsdp2", "fsdp_weighted": "fsdp"}  # each weighted strategy and its plain counterpart
+
+
+def test_sharded_strategies_match_the_float64_reference_and_their_plain_counterparts_do_not(
+    results: dict[str, Any],
+) -> None:
+    assert results["sharded"]
+    for entry in results["sharded"]:
+        for weighted, plain in SHARDED.items():
+            assert entry["deviation"][weighted] < 1e-4, (entry["point"], entry["deviation"])  # measured ~1e-6
+            assert entry["gradient_deviation"][weighted] < 1e-5, (entry["point"], entry["gradient_deviation"])
+            assert entry["deviation"][plain] > 0.3 and entry["gradient_deviation"][plain] > 0.3  # measured ~0.9
+            assert {"median", "p10", "p90"} <= set(entry["ratio"][weighted])  # paired with the plain one
+
+
+def test_sharded_strategies_add_one_48_byte_count_all_reduce_per_step_to_their_plain_counterparts(
+    results: dict[str, Any],
+) -> None:
+    for entry in results["sharded"]:
+        for weighted, plain in SHARDED.items():
+            ours, theirs = entry["collectives"][weighted], entry["collectives"][plain]
+            extra = {kind: value for kind, value in ours.items() if theirs.get(kind) != value}
+            assert extra == {"all_reduce[float64]": [1, 48]}, (entry["point"], weighted, ours, theirs)
+            assert set(theirs) <= set(ours)

@@ -13,31 +13,30 @@ On an audited step, once every rank's gradient is synchronized and before the op
    spread across ranks, 0 when the replicas agree.
 
 Nothing depends on the strategy that produced ``.grad``, so the audit measures plain ``"ddp"`` as well as
-``"ddp_weighted"``. On the worked trace of :mod:`lightning_weighted.window` plain DDP's gradient is 2.0
-where ``g* = 2.5``: an objective error of 0.2.
+``"ddp_weighted"``, and plain FSDP2 (``ModelParallelStrategy``) and FSDP1 as well as ``"fsdp2_weighted"`` and
+``"fsdp_weighted"``: there it differentiates the whole parameters each forward computes with and compares whole
+gradients (see :mod:`lightning_weighted._whole`). On the worked trace of :mod:`lightning_weighted.window` plain
+DDP's gradient is 2.0 where ``g* = 2.5``: an objective error of 0.2.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_weighted._counts import FIX, Count, count_of, imbalance, split_output
-from lightning_weighted._patch import patched
-from lightning_weighted.counting import ItemCounter
+from lightning_weighted._counts import FIX, imbalance
+from lightning_weighted._replay import Microbatch, flat, is_replaying, local_sum
+from lightning_weighted._whole import Targets
 
 __all__ = [
     "AuditReport",
@@ -49,23 +48,6 @@ __all__ = [
 ]
 
 _FIX = f"Train with a weighted strategy (`strategy='ddp_weighted'`, after `import lightning_weighted`). {FIX}"
-
-
-_replaying = False  # True while an audit re-runs `training_step`
-
-
-def is_replaying() -> bool:
-    """Whether ``training_step`` is being re-run by an :class:`ObjectiveAudit` rather than trained on.
-
-    The replay runs ``training_step`` a second time on audited microbatches. ``self.log`` calls are ignored
-    during the replay; guard any other side effect (a counter, a ``torchmetrics`` update) with this.
-
-    Example::
-
-        >>> is_replaying()
-        False
-    """
-    return _replaying
 
 
 class ObjectiveMismatchError(RuntimeError):
@@ -96,14 +78,6 @@ class AuditReport:
     expected_norm: float
     counts: tuple[float, ...]
     passed: bool
-
-
-@dataclass
-class _Microbatch:
-    batch: Any
-    batch_idx: int
-    rng: list[Tensor]  # the CPU state, then the device's when it is CUDA
-    padding: bool = False  # an exhausted rank's replay under ddp_weighted: count 0
 
 
 def relative_error(actual: Tensor, expected: Tensor) -> float:
@@ -142,7 +116,8 @@ class ObjectiveAudit(Callback):
     :class:`~lightning_weighted.ItemCounter` among the callbacks, else from the batch size; a batch that
     ``ddp_weighted`` replays on a rank out of data (``padding_step``) counts 0, as in training. The
     audit caches the batches of audited windows only and costs one extra forward and backward per cached
-    microbatch, a float64 copy of the gradients and two collectives, one of gradient size. The replay runs
+    microbatch, a float64 copy of the gradients and two collectives, one of gradient size; under FSDP each rank
+    also holds the whole parameters and gradients while it audits (one all-gather of each). The replay runs
     with the RNG state of the original microbatch (CPU and the CUDA device), so dropout draws the same masks;
     buffers it changes (BatchNorm statistics) are restored and its ``self.log`` calls are ignored. Other side
     effects of ``training_step`` happen twice on audited microbatches unless guarded by :func:`is_replaying`.
@@ -182,7 +157,7 @@ class ObjectiveAudit(Callback):
         self.on_mismatch = on_mismatch
         self.rtol = float(rtol)
         self.reports: list[AuditReport] = []
-        self._window: list[_Microbatch] = []
+        self._window: list[Microbatch] = []
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -193,10 +168,18 @@ class ObjectiveAudit(Callback):
                 f"ObjectiveAudit(every_n_steps={self.every_n_steps}) needs automatic optimization, but"
                 f" {type(pl_module).__name__} sets `automatic_optimization=False`. Remove the callback."
             )
-        if not isinstance(trainer.strategy, (DDPStrategy, SingleDeviceStrategy)):
+        strategy = trainer.strategy
+        if not isinstance(strategy, (DDPStrategy, SingleDeviceStrategy, ModelParallelStrategy, FSDPStrategy)):
             raise ValueError(
-                f"ObjectiveAudit needs every rank to hold all parameters, which {type(trainer.strategy).__name__}"
-                " does not. Audit with a DDP strategy ('ddp', 'ddp_weighted') or a single device."
+                f"ObjectiveAudit needs every rank to hold all parameters, or to gather them as FSDP does, which"
+                f" {type(strategy).__name__} does not. Audit with a DDP or FSDP strategy ('ddp', 'ddp_weighted',"
+                " 'fsdp2_weighted', 'fsdp_weighted') or a single device."
+            )
+        if isinstance(strategy, ModelParallelStrategy) and strategy.device_mesh["tensor_parallel"].size() > 1:
+            raise ValueError(
+                "ObjectiveAudit compares whole gradients of data-parallel ranks, and does not take tensor-parallel"
+                f" meshes apart (tensor_parallel_size={strategy.device_mesh['tensor_parallel'].size()}). Audit a run"
+                " with tensor_parallel_size=1, or remove the callback."
             )
 
     @override
@@ -207,7 +190,7 @@ class ObjectiveAudit(Callback):
         rng = [torch.get_rng_state()]
         if pl_module.device.type == "cuda":
             rng.append(torch.cuda.get_rng_state(pl_module.device))
-        self._window.append(_Microbatch(batch, batch_idx, rng))
+        self._window.append(Microbatch(batch, batch_idx, rng))
 
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Tensor) -> None:
@@ -239,10 +222,13 @@ class ObjectiveAudit(Callback):
             raise ObjectiveMismatchError(message)
         rank_zero_warn(message)
 
-    def _audit(self, trainer: Trainer, pl_module: LightningModule, window: list[_Microbatch]) -> AuditReport:
-        params: list[Tensor] = [param for param in pl_module.parameters() if param.requires_grad]
+    def _audit(self, trainer: Trainer, pl_module: LightningModule, window: list[Microbatch]) -> AuditReport:
+        strategy = trainer.strategy
+        sharded = isinstance(strategy, (ModelParallelStrategy, FSDPStrategy))
+        targets = Targets(pl_module, strategy.model if isinstance(strategy, FSDPStrategy) else None)
+        params = [param for param in targets.values() if param is not None]
         device = pl_module.device
-        gradient_sum, items, invalid = _local_sum(trainer, pl_module, params, window)
+        gradient_sum, items, invalid = local_sum(trainer, pl_module, targets, params, window, sharded)
         # One SUM gives every rank Σ_r S_r, N and the number of ranks with an invalid count.
         totals = torch.cat([gradient_sum, torch.tensor([items, invalid], dtype=torch.float64, device=device)])
         distributed = dist.is_available() and dist.is_initialized()
@@ -255,10 +241,10 @@ class ObjectiveAudit(Callback):
             )
         total_items = float(totals[-2])
         expected = totals[:-2] / total_items if total_items > 0 else torch.zeros_like(gradient_sum)
-        actual = _flat([param.grad for param in params], params)
+        actual = flat(targets.values(gradients=True), params)
         error = relative_error(actual, expected)
-        param_sum = sum(float(param.detach().double().sum()) for param in params)
-        param_squares = sum(float(param.detach().double().square().sum()) for param in params)
+        param_sum = sum(float(param.double().sum()) for param in params)
+        param_squares = sum(float(param.double().square().sum()) for param in params)
         checksums = [param_sum, param_squares, actual.sum(), actual.square().sum()]
         local = torch.tensor(
             [items, *checksums, error, actual.norm(), expected.norm()],
@@ -279,77 +265,6 @@ class ObjectiveAudit(Callback):
         return AuditReport(
             trainer.global_step, objective_error, replica_error, skew, norm, expected_norm, counts, passed
         )
-
-
-def _local_sum(
-    trainer: Trainer, pl_module: LightningModule, params: list[Tensor], window: list[_Microbatch]
-) -> tuple[Tensor, float, float]:
-    """Replays the window's microbatches; returns ``(Σ_m n_m · ḡ_m, Σ_m n_m, 1.0 if a count is invalid)``."""
-    total = torch.zeros(sum(param.numel() for param in params), dtype=torch.float64, device=pl_module.device)
-    items, invalid = 0.0, 0.0
-    takes_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
-    count = _count_rule(trainer)
-    buffers = [(buffer, buffer.detach().clone()) for buffer in pl_module.buffers()]
-    cuda = [pl_module.device] if pl_module.device.type == "cuda" else []
-    with _replay(pl_module), torch.enable_grad():
-        for microbatch in window:
-            with torch.random.fork_rng(devices=cuda):
-                torch.set_rng_state(microbatch.rng[0])
-                if cuda:
-                    torch.cuda.set_rng_state(microbatch.rng[1], cuda[0])
-                with trainer.strategy.precision_plugin.train_step_context():
-                    args = (microbatch.batch, microbatch.batch_idx) if takes_index else (microbatch.batch,)
-                    output = pl_module.training_step(*args)
-            loss, item_sum, problem = split_output(output)
-            if loss is None or loss.grad_fn is None:
-                continue  # Lightning skips a `None` step; a loss without a graph fails its own backward
-            counted = count(output, microbatch.batch)
-            if problem is not None or counted.problem is not None:
-                invalid = 1.0
-                continue
-            if counted.value == 0 or microbatch.padding:
-                continue  # exactly zero, also when the mean of a fully masked microbatch is NaN
-            grads = torch.autograd.grad(loss.sum(), params, allow_unused=True)
-            total.add_(_flat(list(grads), params), alpha=1.0 if item_sum else counted.value)
-            items += counted.value
-    with torch.no_grad():
-        for buffer, saved in buffers:
-            buffer.copy_(saved)
-    return total, items, invalid
-
-
-def _count_rule(trainer: Trainer) -> Callable[[Any, Any], Count]:
-    """The training count rule (:func:`~lightning_weighted._counts.count_of`), with the run's ``ItemCounter``."""
-    counter = next((c for c in trainer.callbacks if isinstance(c, ItemCounter)), None)  # type: ignore[attr-defined]
-    if counter is None:
-        return lambda output, batch: count_of(output, batch)
-    return lambda output, batch: count_of(output, batch, (counter.count_of(batch), counter.integer))
-
-
-def _flat(tensors: Sequence[Tensor | None], like: Sequence[Tensor]) -> Tensor:
-    """Concatenates ``tensors`` as float64 on ``like``'s device; a missing tensor reads as zeros shaped as ``like``."""
-    return torch.cat(
-        [
-            (tensor.detach() if tensor is not None else torch.zeros_like(reference)).reshape(-1).double()
-            for tensor, reference in zip(tensors, like, strict=True)
-        ]
-    )
-
-
-@contextlib.contextmanager
-def _replay(pl_module: LightningModule) -> Iterator[None]:
-    """Marks the replay for :func:`is_replaying`; the replay's ``self.log`` calls do nothing (no double logging)."""
-    global _replaying
-
-    def ignore(*args: Any, **kwargs: Any) -> None:
-        return None
-
-    with patched(pl_module, log=ignore, log_dict=ignore):
-        _replaying = True
-        try:
-            yield
-        finally:
-            _replaying = False
 
 
 def _mismatch_message(report: AuditReport, rtol: float) -> str:

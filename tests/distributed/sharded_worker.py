@@ -37,7 +37,9 @@ class ShardedConfig(Config):
     full_checkpoint: bool = False  # one full checkpoint file instead of a folder of shards
     world_counts: bool = False  # count over every process: the wrong group under tensor parallelism
     sharding: str = "FULL_SHARD"  # FSDP1's sharding strategy
+    sync_every_microbatch: bool = False  # FSDP1: reduce-scatter every microbatch instead of once per window
     audit: bool = False  # ObjectiveAudit(every_n_steps=1, on_mismatch="raise")
+    float64: bool = False  # a float64 model under precision="32-true", which leaves its dtype alone (FSDP2)
 
     @property
     def processes(self) -> int:
@@ -55,6 +57,13 @@ class ShardedModule(WeightedModule):
     def __init__(self, config: ShardedConfig) -> None:
         super().__init__(config)
         self.config: ShardedConfig = config
+        if config.float64:
+            self.model.double()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.config.float64:
+            batch = tuple(t.double() for t in batch)
+        return super().training_step(batch, batch_idx)
 
     @property
     def data_rank(self) -> int:
@@ -82,6 +91,15 @@ class ShardedModule(WeightedModule):
             policy = MixedPrecisionPolicy(param_dtype=DTYPES[param], reduce_dtype=DTYPES[reduce])
         for layer in (self.model[0], self.model[2], self.model):
             fully_shard(layer, mesh=mesh, mp_policy=policy)
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None, **kwargs: Any) -> None:
+        model = self.trainer.strategy.model
+        if gradient_clip_val is None:
+            return
+        if self.config.clip_algorithm == "norm" and hasattr(model, "clip_grad_norm_"):
+            model.clip_grad_norm_(gradient_clip_val)  # FSDP1: Lightning's own norm clipping refuses it
+        else:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, **kwargs)
 
     def train_dataloader(self) -> Any:
         from scenario import _EpochList, _EpochStream
@@ -118,6 +136,24 @@ def local(value: Any) -> Any:
 
 class ShardedRecorder(Recorder):
     """`Recorder` for sharded parameters: whole parameters and gradients, this rank's optimizer state."""
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        if self.config.count_collectives:  # the engines' own entry points, recorded as `Recorder` names its own
+            for name, alias in (
+                ("reduce_scatter_single", "reduce_scatter_tensor"),
+                ("all_gather_single", "all_gather"),
+            ):
+                self._originals[name] = original = getattr(dist, name)
+                setattr(dist, name, self._by_keyword(alias, original))
+
+    def _by_keyword(self, name: str, original: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            tensor = args[0] if args else kwargs["output"]  # the output shard, as `Recorder` records its first tensor
+            self.collectives.append((name, str(tensor.dtype), tensor.numel()))
+            return original(*args, **kwargs)
+
+        return wrapper
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         return None
@@ -167,6 +203,8 @@ def make_strategy(config: ShardedConfig) -> Any:
     timeout = timedelta(seconds=config.pg_timeout)
     weighted = config.strategy.endswith("_weighted")
     extra: dict[str, Any] = {"participation": config.participation} if weighted else {}
+    if config.sync_every_microbatch:
+        extra["sync_every_microbatch"] = True
     if config.strategy.startswith("fsdp2"):
         cls: Any = ModelParallelStrategy
         if weighted:

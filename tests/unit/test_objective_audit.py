@@ -215,10 +215,10 @@ def test_an_invalid_count_stops_the_audit_with_the_expected_form_of_count():
         fit(NegativeCount([[9.0, 9.0]]), ObjectiveAudit(every_n_steps=1), accumulate=1)
 
 
-def test_a_strategy_that_shards_parameters_is_rejected_with_the_fix():
-    class ShardingStrategy:  # stands for FSDP or DeepSpeed: no rank holds every parameter
+def test_a_strategy_that_shards_parameters_out_of_its_reach_is_rejected_with_the_fix():
+    class ShardingStrategy:  # stands for DeepSpeed: no rank holds every parameter, and the audit cannot gather them
         pass
 
     trainer = SimpleNamespace(strategy=ShardingStrategy())
-    with pytest.raises(ValueError, match=r"every rank to hold all parameters, which ShardingStrategy does not.*'ddp'"):
+    with pytest.raises(ValueError, match=r"or to gather them as FSDP does, which ShardingStrategy does not.*'ddp'"):
         ObjectiveAudit(every_n_steps=1).setup(trainer, Trace([[1.0]]), "fit")  # type: ignore[arg-type]

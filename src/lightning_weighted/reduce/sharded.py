@@ -1,13 +1,15 @@
 r"""Sharded reductions (FSDP2, FSDP1): gradients SUM-reduced as item sums, divided by the window's :math:`N` on shards.
 
 Every microbatch's loss is an item sum (:class:`~lightning_weighted.window.LossScale` ``ITEM_SUM``), so the
-gradient a rank computes is :math:`\sum_m n_m \bar g_m` (see :mod:`lightning_weighted.window`). Sharded engines
-reduce-scatter it on every microbatch, before :math:`N` is known, so the pieces here
+gradient a rank computes is :math:`\sum_m n_m \bar g_m` (see :mod:`lightning_weighted.window`). FSDP2 in
+Lightning reduce-scatters it on every microbatch, before :math:`N` is known (FSDP1 once per window), so the pieces
+here
 
 - make every reduction a plain SUM (:func:`reduce_with_sum` for FSDP2's ``FSDPModule``\ s,
   :func:`weighted_reduce_scatter_hook` for FSDP1's communication hook), with no division by the world size;
-- replace the local gradient of a microbatch that holds no item by exact zeros on its way into that reduction
-  (:attr:`ShardedReduceState.empty`): its mean is NaN when every item is masked (0/0), and the backward still has
+- replace the local gradient of a microbatch that holds no item by exact zeros, in FSDP2's reduce-scatter
+  (:attr:`ShardedReduceState.empty`, :class:`ZeroingReduceScatter`) or before it accumulates in FSDP1's flat
+  parameters (:func:`zero_gradients`): its mean is NaN when every item is masked (0/0), and the backward still has
   to run, because its all-gathers and reduce-scatters are collectives every rank takes part in;
 - sum the window's count payload over the data-parallel group (:meth:`ShardedReduceState.begin_window`, one
   asynchronous 48-byte all-reduce per optimizer step, :func:`data_parallel_group` for a device mesh);
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.futures import Future
+from torch.utils.hooks import RemovableHandle
 
 from lightning_weighted._counts import CountPayload
 from lightning_weighted.reduce.counts import sum_counts
@@ -40,16 +43,19 @@ __all__ = [
     "ZeroingReduceScatter",
     "data_parallel_group",
     "divide_gradients",
+    "flat_parameters",
     "fsdp2_modules",
     "reduce_with_sum",
     "weighted_reduce_scatter_hook",
+    "zero_gradients",
 ]
 
 _FSDP2_METHODS = ("set_custom_reduce_scatter", "set_force_sum_reduction_for_comms", "set_gradient_divide_factor")
-_FP16_FIX = (
-    "fp16 cannot hold the item sums that are reduced before the division by N. Reduce in float32 or bfloat16:"
-    " `MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)` for FSDP2,"
-    " `MixedPrecision(..., reduce_dtype=torch.float32)` for FSDP1, or `precision='bf16-mixed'`/'bf16-true'"
+FP16_FIX = (
+    "float16 cannot hold the item-sum gradients that are computed and reduced before the division by N. Compute"
+    " and reduce in bfloat16 or float32: `precision='bf16-mixed'` or 'bf16-true', FSDP2's"
+    " `MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`, FSDP1's"
+    " `MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`"
 )
 
 
@@ -135,10 +141,7 @@ class ZeroingReduceScatter:
     ) -> dist.Work | None:
         """Reduce-scatters ``input_tensor`` (this rank's unsharded gradients) into ``output_tensor``."""
         self.state.zero_if_empty(input_tensor)
-        work: dist.Work | None = dist.reduce_scatter_tensor(
-            output_tensor, input_tensor, op=op, group=group, async_op=async_op
-        )
-        return work
+        return _reduce_scatter(output_tensor, input_tensor, group, op, async_op)
 
 
 def data_parallel_group(mesh: Any, dims: str | Sequence[str] = "data_parallel") -> dist.ProcessGroup:
@@ -184,8 +187,8 @@ def reduce_with_sum(module: nn.Module, state: ShardedReduceState) -> list[nn.Mod
 
     Raises:
         ValueError: a trainable parameter is not sharded by FSDP2 (its gradient would not be reduced at all), a
-            module reduces in fp16 (item sums overflow it), or a module replicates without sharding (HSDP with a
-            shard dimension of size 1), whose reduction this zeroing cannot reach.
+            module computes or reduces in fp16 (item sums overflow it), or a module replicates without sharding
+            (HSDP with a shard dimension of size 1), whose reduction this zeroing cannot reach.
         RuntimeError: this torch has no FSDP2 SUM-reduction controls.
     """
     modules = fsdp2_modules(module)
@@ -201,10 +204,11 @@ def reduce_with_sum(module: nn.Module, state: ShardedReduceState) -> list[nn.Mod
             " count-weighted FSDP2."
         )
     _check_sharded(module)
+    names = {child: name for name, child in module.named_modules()}
     for fsdp in modules:
         groups = fsdp._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
         for group in groups:
-            _check_reduce_dtype(fsdp, group)
+            _check_dtypes(names[fsdp] or "(the root)", fsdp, group)
         fsdp.set_gradient_divide_factor(1.0)  # type: ignore[operator]
         fsdp.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
         if groups:
@@ -245,15 +249,17 @@ def divide_gradients(parameters: Iterable[Tensor], items: float) -> None:
 
 
 def weighted_reduce_scatter_hook(state: ShardedReduceState, grad: Tensor, output: Tensor | None = None) -> None:
-    """FSDP1's communication hook: SUM-reduce-scatters the unsharded gradient, zeroed for an empty microbatch.
+    """FSDP1's communication hook: SUM-reduce-scatters the unsharded gradient, with no division.
 
     Registered on the root ``FullyShardedDataParallel`` (``register_comm_hook(state, hook)``) before its first
     forward; it replaces FSDP's division by the world size, so the sharded gradient is an item sum until
-    :func:`divide_gradients`. Sharded strategies only (``FULL_SHARD``, ``SHARD_GRAD_OP``): FSDP1 refuses hooks for
-    the hybrid ones, and ``NO_SHARD`` would SUM an accumulated gradient twice.
+    :func:`divide_gradients`. Under ``no_sync`` it runs once per window, on the gradient accumulated over the
+    window's microbatches, so an empty microbatch is zeroed before it accumulates (:func:`zero_gradients` on
+    :func:`flat_parameters`), not here. Sharded strategies only (``FULL_SHARD``, ``SHARD_GRAD_OP``): FSDP1 refuses
+    hooks for the hybrid ones, and ``NO_SHARD`` would SUM an accumulated gradient twice.
 
     Args:
-        state: its :attr:`~ShardedReduceState.process_group` is FSDP's, its ``empty`` flag the microbatch's.
+        state: its :attr:`~ShardedReduceState.process_group` is FSDP's.
         grad: this rank's flat unsharded gradient of one FSDP unit (padded to a multiple of the world size).
         output: the pre-sized flat shard the SUM lands in.
     """
@@ -262,8 +268,48 @@ def weighted_reduce_scatter_hook(state: ShardedReduceState, grad: Tensor, output
             "weighted_reduce_scatter_hook reduce-scatters a sharded gradient, but FSDP called it without an output"
             " shard (NO_SHARD). Use a sharded strategy ('FULL_SHARD' or 'SHARD_GRAD_OP'), or 'ddp_weighted'."
         )
-    state.zero_if_empty(grad)
-    dist.reduce_scatter_tensor(output, grad, group=state.process_group)
+    _reduce_scatter(output, grad, state.process_group)
+
+
+def flat_parameters(module: nn.Module) -> list[Tensor]:
+    """FSDP1's flat parameters in ``module``: the leaves every unsharded gradient of its FSDP units accumulates into."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    units = FullyShardedDataParallel.fsdp_modules(module)
+    return [unit._flat_param for unit in units if unit._flat_param is not None]
+
+
+def zero_gradients(tensors: Iterable[Tensor]) -> list[RemovableHandle]:
+    """Replaces the gradient computed for each tensor by exact zeros (before it accumulates), until the handles go.
+
+    For a microbatch that holds no item under FSDP1: its backward runs (its all-gathers are collectives) and its
+    gradient (NaN for a fully masked mean) reaches the flat parameters as zeros, also under ``no_sync``, where it
+    would otherwise land in the unsharded gradient accumulated over the window.
+
+    Example::
+
+        >>> weight = torch.nn.Parameter(torch.ones(2))
+        >>> handles = zero_gradients([weight])
+        >>> (weight * torch.tensor(float("nan"))).sum().backward()
+        >>> for handle in handles:
+        ...     handle.remove()
+        >>> weight.grad
+        tensor([0., 0.])
+    """
+    return [tensor.register_hook(torch.zeros_like) for tensor in tensors]  # type: ignore[no-untyped-call]
+
+
+def _reduce_scatter(
+    output: Tensor, source: Tensor, group: dist.ProcessGroup | None, op: Any = None, async_op: bool = False
+) -> dist.Work | None:
+    """A SUM (or ``op``) reduce-scatter of ``source`` into ``output``, by the name this torch prefers."""
+    op = dist.ReduceOp.SUM if op is None else op
+    single = getattr(dist, "reduce_scatter_single", None)  # torch 2.13 deprecates `reduce_scatter_tensor`
+    if single is not None:
+        work: dist.Work | None = single(output=output, input=source, op=op, group=group, async_op=async_op)
+    else:
+        work = dist.reduce_scatter_tensor(output, source, op=op, group=group, async_op=async_op)
+    return work
 
 
 def _check_sharded(module: nn.Module) -> None:
@@ -280,12 +326,11 @@ def _check_sharded(module: nn.Module) -> None:
         )
 
 
-def _check_reduce_dtype(fsdp: nn.Module, group: Any) -> None:
+def _check_dtypes(name: str, fsdp: nn.Module, group: Any) -> None:
     policy = group.mp_policy
     dtypes = {param.dtype for param in fsdp.parameters() if param.requires_grad}
-    reduce = policy.reduce_dtype or policy.param_dtype or (dtypes.pop() if len(dtypes) == 1 else None)
-    if reduce == torch.float16:
-        raise ValueError(f"{type(fsdp).__name__} reduces its gradients in float16 ({policy}). {_FP16_FIX}.")
+    if torch.float16 in (policy.reduce_dtype, policy.param_dtype, *dtypes):
+        raise ValueError(f"FSDP2 module {name!r} computes or reduces its gradients in float16: {policy}. {FP16_FIX}.")
 
 
 def _shards_over_one_rank(group: Any) -> bool:

@@ -12,15 +12,24 @@ from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setu
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_weighted._counts import CountPayload
 from lightning_weighted.participation import Policy
-from lightning_weighted.reduce.sharded import ShardedReduceState, divide_gradients, weighted_reduce_scatter_hook
+from lightning_weighted.reduce.sharded import (
+    FP16_FIX,
+    ShardedReduceState,
+    divide_gradients,
+    flat_parameters,
+    weighted_reduce_scatter_hook,
+    zero_gradients,
+)
 from lightning_weighted.strategies._trainer import TrainerAdapter
 from lightning_weighted.strategies.model_parallel import sharded_zero_loss
 from lightning_weighted.window import LossScale
@@ -31,10 +40,40 @@ _REFUSED_SHARDING = ("NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 
 
 class AnyDeviceFSDPStrategy(FSDPStrategy):
-    """Lightning's ``FSDPStrategy``, also on CPU (gloo): FSDP1 is wrapped with ``device_id=torch.device("cpu")``.
+    """Lightning's ``FSDPStrategy``, also on CPU (gloo).
 
-    Lightning refuses its own ``FSDPStrategy`` on CPU; FSDP1 runs there when told its device. Nothing else differs.
+    Lightning refuses its own ``FSDPStrategy`` on CPU; FSDP1 runs there when wrapped with
+    ``device_id=torch.device("cpu")``, and its full state dicts when they are not "offloaded" to the CPU they are
+    on already (FSDP1 frees the unsharded parameters it offloads, and a CPU "offload" is the same memory). Nothing
+    else differs.
     """
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not self._full_on_cpu():
+            return super().lightning_module_state_dict()
+        assert self.model is not None
+        with _full_state_dict_in_place(self.model):
+            state: dict[str, Any] = self.model.state_dict()
+        return state
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        if not self._full_on_cpu():
+            return super().optimizer_state(optimizer)
+        from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        assert self.model is not None
+        with _full_state_dict_in_place(self.model):
+            state = FullyShardedDataParallel.optim_state_dict(self.model, optimizer)
+            if self.global_rank == 0:  # the standard layout, as Lightning saves it
+                state = FullyShardedDataParallel.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, self.model)
+        return state
+
+    def _full_on_cpu(self) -> bool:
+        return self._state_dict_type == "full" and self.root_device.type == "cpu"
 
     @override
     def _setup_model(self, model: Module) -> Module:
@@ -55,6 +94,19 @@ class AnyDeviceFSDPStrategy(FSDPStrategy):
         return wrapped
 
 
+def _full_state_dict_in_place(module: Module) -> contextlib.AbstractContextManager[Any]:
+    """FSDP1's full state-dict context of Lightning's checkpoints (rank 0 only), without the offload to the CPU."""
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return FSDP.state_dict_type(
+        module=module,
+        state_dict_type=StateDictType.FULL_STATE_DICT,
+        state_dict_config=FullStateDictConfig(offload_to_cpu=False, rank0_only=True),
+        optim_state_dict_config=FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True),
+    )
+
+
 class WeightedFSDPStrategy(TrainerAdapter, AnyDeviceFSDPStrategy):
     """FSDP1 that optimises the mean over every valid item of each optimizer step, on every rank and microbatch.
 
@@ -63,18 +115,21 @@ class WeightedFSDPStrategy(TrainerAdapter, AnyDeviceFSDPStrategy):
     :class:`~lightning_weighted.WeightedDDPStrategy`'s contract and rules, and the update is the one stated in
     :mod:`lightning_weighted.window`.
 
-    Its communication hook SUM-reduce-scatters item-sum gradients on every microbatch (Lightning's ``FSDPStrategy``
-    skips the reduction of all but a window's last microbatch and holds the unsharded gradient in between; here,
-    as with FSDP2, no unsharded gradient outlives its microbatch), the window's counts are summed by one 48-byte
-    all-reduce, and the local gradient shards are divided by ``N`` before clipping and the optimizer (see
-    :mod:`lightning_weighted.reduce.sharded`).
+    Its communication hook SUM-reduce-scatters item-sum gradients once per window, as Lightning's ``FSDPStrategy``
+    does (the unsharded gradient is accumulated over the window's microbatches, an empty one's zeroed on its way
+    in), the window's counts are summed by one 48-byte all-reduce, and the local gradient shards are divided by
+    ``N`` before clipping and the optimizer (see :mod:`lightning_weighted.reduce.sharded`).
 
     Args:
         *args: ``FSDPStrategy``'s arguments. ``sharding_strategy`` must shard: ``"FULL_SHARD"`` (default) or
             ``"SHARD_GRAD_OP"``; FSDP1 takes no communication hook for the hybrid ones, and ``"NO_SHARD"`` is
-            ``"ddp_weighted"``. A ``mixed_precision`` that reduces in float16 is refused (item sums overflow it).
+            ``"ddp_weighted"``. Float16 computation or reduction (``"16-mixed"``, ``"16-true"``, a
+            ``mixed_precision`` in float16) is refused: item sums overflow it.
         participation: ``"pad"`` lets a rank whose data ran out step with count 0 until every rank is done;
             ``"strict"`` raises instead (see :mod:`lightning_weighted.participation`).
+        sync_every_microbatch: reduce-scatter every microbatch's gradient (as FSDP2 does) instead of once per
+            window: no unsharded gradient is held between microbatches, at the cost of ``A`` reduce-scatters per
+            optimizer step instead of one.
         **kwargs: ``FSDPStrategy``'s keyword arguments.
 
     Example::
@@ -88,8 +143,11 @@ class WeightedFSDPStrategy(TrainerAdapter, AnyDeviceFSDPStrategy):
 
     strategy_name = "fsdp_weighted"
 
-    def __init__(self, *args: Any, participation: Policy = "pad", **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, participation: Policy = "pad", sync_every_microbatch: bool = False, **kwargs: Any
+    ) -> None:
         super().__init__(*args, participation=participation, **kwargs)
+        self.sync_every_microbatch = sync_every_microbatch
         if self.sharding_strategy.name in _REFUSED_SHARDING:
             raise ValueError(
                 f"`sharding_strategy={self.sharding_strategy.name!r}` does not shard gradients over every"
@@ -98,6 +156,7 @@ class WeightedFSDPStrategy(TrainerAdapter, AnyDeviceFSDPStrategy):
                 " of 'NO_SHARD'."
             )
         self._reduce = ShardedReduceState()
+        self._zeroing: list[RemovableHandle] = []
 
     @classmethod
     @override
@@ -112,13 +171,8 @@ class WeightedFSDPStrategy(TrainerAdapter, AnyDeviceFSDPStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         config = self.mixed_precision_config
-        reduce = None if config is None else (config.reduce_dtype or config.param_dtype)
-        if reduce == torch.float16:
-            raise MisconfigurationException(
-                f"fsdp_weighted would reduce gradients in float16 ({config}): fp16 cannot hold the item sums that"
-                " are reduced before the division by N. Use `precision='bf16-mixed'` or 'bf16-true', or"
-                " `MixedPrecision(..., reduce_dtype=torch.float32)`."
-            )
+        if config is not None and torch.float16 in (config.param_dtype, config.reduce_dtype):
+            raise MisconfigurationException(f"fsdp_weighted would compute or reduce in float16 ({config}). {FP16_FIX}.")
         super().setup(trainer)
 
     @override
@@ -131,8 +185,11 @@ class WeightedFSDPStrategy(TrainerAdapter, AnyDeviceFSDPStrategy):
     @contextlib.contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        # Reduce every microbatch: its reduction is where an empty microbatch's gradient is zeroed.
-        yield None
+        if self.sync_every_microbatch:
+            yield None  # FSDP1 accumulates the reduced shards
+        else:
+            with super().block_backward_sync():
+                yield None
 
     @override
     def _count_group(self) -> dist.ProcessGroup | None:
@@ -157,7 +214,10 @@ class WeightedFSDPStrategy(TrainerAdapter, AnyDeviceFSDPStrategy):
 
     @override
     def _zero_loss(self, loss: Tensor | None) -> Tensor:
-        return sharded_zero_loss(self, self._reduce, loss)
+        zero = sharded_zero_loss(self, self._reduce, loss)
+        assert self.model is not None
+        self._zeroing = zero_gradients(flat_parameters(self.model))
+        return zero
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -165,3 +225,6 @@ class WeightedFSDPStrategy(TrainerAdapter, AnyDeviceFSDPStrategy):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         finally:
             self._reduce.empty = False
+            for handle in self._zeroing:
+                handle.remove()
+            self._zeroing = []

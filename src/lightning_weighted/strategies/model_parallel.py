@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor
@@ -16,6 +17,7 @@ from typing_extensions import override
 from lightning_weighted._counts import CountPayload
 from lightning_weighted.participation import Policy
 from lightning_weighted.reduce.sharded import (
+    FP16_FIX,
     ShardedReduceState,
     data_parallel_group,
     divide_gradients,
@@ -40,7 +42,8 @@ class WeightedModelParallelStrategy(TrainerAdapter, ModelParallelStrategy):
     Every FSDP module SUM-reduces item-sum gradients on each microbatch (FSDP2's default under accumulation in
     Lightning: no unsharded gradient is held between microbatches), the window's counts are summed over the
     data-parallel group by one 48-byte all-reduce, and the local gradient shards are divided by ``N`` before
-    clipping and the optimizer (see :mod:`lightning_weighted.reduce.sharded`).
+    clipping and the optimizer (see :mod:`lightning_weighted.reduce.sharded`). Float16 computation or reduction
+    (``"16-mixed"``, ``"16-true"``, a ``MixedPrecisionPolicy`` in float16) is refused: item sums overflow it.
 
     Args:
         data_parallel_size: ranks that see different data; ``"auto"``: the world size divided by
@@ -95,18 +98,16 @@ class WeightedModelParallelStrategy(TrainerAdapter, ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        # Lightning's "auto" is one data-parallel group per node; here every rank is data-parallel unless told.
         world = self.num_nodes * self.num_processes
-        data, tensor = self._data_parallel_size, self._tensor_parallel_size
-        if data == "auto":
-            data = world // (1 if tensor == "auto" else tensor)
-        if tensor == "auto":
-            tensor = max(world // data, 1)
-        self._data_parallel_size, self._tensor_parallel_size = data, tensor
+        sizes = mesh_sizes(world, self._data_parallel_size, self._tensor_parallel_size)
+        self._data_parallel_size, self._tensor_parallel_size = sizes
         super().setup_environment()
 
     @override
     def setup(self, trainer: Trainer) -> None:
+        precision = getattr(self.precision_plugin, "precision", "")
+        if precision in ("16-mixed", "16-true"):
+            raise MisconfigurationException(f"fsdp2_weighted would compute in float16 ({precision=}). {FP16_FIX}.")
         super().setup(trainer)
         assert self.model is not None
         self._reduce.process_group = self._count_group()
@@ -143,6 +144,21 @@ class WeightedModelParallelStrategy(TrainerAdapter, ModelParallelStrategy):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         finally:
             self._reduce.empty = False
+
+
+def mesh_sizes(world: int, data: int | Literal["auto"], tensor: int | Literal["auto"]) -> tuple[int, int]:
+    """``(data_parallel_size, tensor_parallel_size)``: every rank data-parallel unless told otherwise.
+
+    Lightning's own ``"auto"`` is one data-parallel rank per node; here it is what the other size leaves.
+
+    Example::
+
+        >>> mesh_sizes(8, "auto", "auto"), mesh_sizes(8, "auto", 2), mesh_sizes(8, 2, "auto")
+        ((8, 1), (4, 2), (2, 4))
+    """
+    if data == "auto":
+        data = world // (1 if tensor == "auto" else tensor)
+    return data, max(world // data, 1) if tensor == "auto" else tensor
 
 
 def sharded_zero_loss(strategy: TrainerAdapter, state: ShardedReduceState, loss: Tensor | None) -> Tensor:

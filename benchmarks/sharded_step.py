@@ -1,0 +1,451 @@
+"""Sharded Lightning ``Trainer`` steps: fsdp2_weighted beside plain FSDP2, fsdp_weighted beside plain FSDP1.
+
+A rank worker started by ``run.py`` (level ``sharded``) on every rank, in the manner of ``trainer_step.py``: each
+variant is a whole ``Trainer.fit`` in its own thread of this process, in one gloo process group; a baton parks
+every fit at each window start and the main thread releases one at a time, in an order shuffled per round (the
+same on every rank), so each weighted strategy and its plain counterpart run side by side in the same rounds.
+
+Variants: ``fsdp2`` (Lightning's ``ModelParallelStrategy``, every rank data-parallel, each ``Linear`` and the
+model ``fully_shard``-ed; the module returns its local mean), ``fsdp2_control`` (a second one: the noise floor),
+``fsdp2_weighted`` (``"fsdp2_weighted"``, ``{"loss": mean, "count": n}``), ``fsdp`` (FSDP1 through
+``AnyDeviceFSDPStrategy``, Lightning's ``FSDPStrategy`` enabled on CPU, each ``Linear`` a unit) and
+``fsdp_weighted``. With ``--spec '{"memory": ...}'`` it trains one variant alone and reports the growth of its
+peak resident memory. Also holds what ``run.py`` and ``report.py`` need for this level: its grid, the pooling of
+its repeats and its report section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import random
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (
+    BatchStream,
+    CollectiveCounter,
+    Point,
+    deviation,
+    gradient_deviation,
+    make_batch,
+    make_model,
+    reference_gradient,
+    reference_params,
+    summary,
+)
+from trainer_step import WAIT_S, PlainModule, WeightedModule, _Sized
+
+import lightning_weighted
+from lightning_weighted.strategies.fsdp import AnyDeviceFSDPStrategy
+
+VARIANTS = ("fsdp2", "fsdp2_control", "fsdp2_weighted", "fsdp", "fsdp_weighted")
+PAIRS = {"fsdp2_weighted": "fsdp2", "fsdp2_control": "fsdp2", "fsdp_weighted": "fsdp"}  # variant -> baseline
+TITLES = {
+    "fsdp2": "plain FSDP2",
+    "fsdp2_control": "plain FSDP2 (control)",
+    "fsdp2_weighted": "fsdp2_weighted",
+    "fsdp": "plain FSDP1",
+    "fsdp_weighted": "fsdp_weighted",
+}
+
+
+def _shard(module: LightningModule) -> None:
+    """Each ``Linear``, then the model, ``fully_shard``-ed over the data-parallel ranks (its ``configure_model``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = module.device_mesh["data_parallel"]
+    for layer in [m for m in module.model if isinstance(m, nn.Linear)] + [module.model]:
+        fully_shard(layer, mesh=mesh)
+
+
+class ShardedPlain(PlainModule):
+    def configure_model(self) -> None:
+        _shard(self)
+
+
+class ShardedWeighted(WeightedModule):
+    def configure_model(self) -> None:
+        _shard(self)
+
+
+def _module(name: str, point: Point) -> LightningModule:
+    fsdp2 = name.startswith("fsdp2")
+    if name.endswith("_weighted"):
+        return (ShardedWeighted if fsdp2 else WeightedModule)(make_model(point.size, point.seed))
+    return (ShardedPlain if fsdp2 else PlainModule)(make_model(point.size, point.seed))
+
+
+def _strategy(name: str, timeout: float) -> Any:
+    limit = timedelta(seconds=timeout)
+    world = dist.get_world_size()
+    if name.startswith("fsdp2"):
+        cls = lightning_weighted.WeightedModelParallelStrategy if name.endswith("_weighted") else ModelParallelStrategy
+        return cls(data_parallel_size=world, tensor_parallel_size=1, timeout=limit)
+    cls = lightning_weighted.WeightedFSDPStrategy if name.endswith("_weighted") else AnyDeviceFSDPStrategy
+    return cls(auto_wrap_policy={nn.Linear}, timeout=limit)
+
+
+def whole(tensors: Sequence[Tensor | None]) -> list[Tensor]:
+    """Whole tensors from shards (a collective: every rank calls it at the same point)."""
+    return [
+        t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()  # type: ignore[union-attr]
+        for t in tensors
+        if t is not None
+    ]
+
+
+class Baton(Callback):
+    """Parks the fit at every window start until released; keeps the first step's whole gradient."""
+
+    def __init__(self, accumulate: int) -> None:
+        self.accumulate = accumulate
+        self.arrived, self.go = threading.Event(), threading.Event()
+        self.error: BaseException | None = None
+        self.initial: list[Tensor] = []
+        self.captured: list[Tensor] | None = None
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.initial = _whole_params(trainer, pl_module)
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        if self.captured is None:  # the first step's synchronized, normalized gradient
+            with _summoned(trainer, gradients=True):
+                self.captured = whole([p.grad for p in pl_module.model.parameters()])
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if batch_idx % self.accumulate == 0:
+            self.arrived.set()
+            if not self.go.wait(WAIT_S):
+                raise TimeoutError("the benchmark's main thread never released this fit")
+            self.go.clear()
+
+
+def _summoned(trainer: Trainer, gradients: bool = False) -> Any:
+    from contextlib import nullcontext
+
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = trainer.strategy.model
+    if isinstance(model, FullyShardedDataParallel):
+        return FullyShardedDataParallel.summon_full_params(model, writeback=False, with_grads=gradients)
+    return nullcontext()
+
+
+def _whole_params(trainer: Trainer, pl_module: LightningModule) -> list[Tensor]:
+    with _summoned(trainer):
+        return whole(list(pl_module.model.parameters()))
+
+
+class Fit(threading.Thread):
+    def __init__(self, name: str, point: Point, rank: int, timeout: float) -> None:
+        super().__init__(name=name, daemon=True)
+        self.baton = Baton(point.accumulate)
+        self.module = _module(name, point)
+        steps = point.steps + 1  # the last window runs untimed, while the fits finish one by one
+        batches = [
+            make_batch(point.size, point.rows, point.seed, rank, s, m)
+            for s in range(steps)
+            for m in range(point.accumulate)
+        ]
+        self.loader = _Sized(BatchStream(batches), len(batches))
+        self.trainer = Trainer(
+            strategy=_strategy(name, timeout),
+            accelerator="cpu",
+            devices=dist.get_world_size(),
+            max_steps=steps,
+            accumulate_grad_batches=point.accumulate,
+            callbacks=[self.baton, _Final(self)],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+        )
+        self.final: list[Tensor] = []
+
+    def run(self) -> None:
+        torch.set_num_threads(1)
+        try:
+            self.trainer.fit(self.module, train_dataloaders=self.loader)
+        except BaseException as error:  # reported by the main thread
+            self.baton.error = error
+            self.baton.arrived.set()
+
+    def release(self) -> None:
+        """Lets the fit run one accumulation window; returns when it parks at the next one."""
+        self.baton.arrived.clear()
+        self.baton.go.set()
+        if not self.baton.arrived.wait(WAIT_S):
+            raise TimeoutError(f"{self.name} did not finish its window within {WAIT_S}s")
+        if self.baton.error is not None:
+            raise RuntimeError(f"{self.name} failed") from self.baton.error
+
+
+class _Final(Callback):
+    """Keeps the whole parameters at the end of the fit (every rank, in the fit's last collective)."""
+
+    def __init__(self, fit: Fit) -> None:
+        self.fit = fit
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.fit.final = _whole_params(trainer, pl_module)
+
+
+class ShardedCounter(CollectiveCounter):
+    """`CollectiveCounter` plus the entry points FSDP calls with keyword tensors (`reduce_scatter_single`)."""
+
+    def install(self) -> None:
+        super().install()
+        for name in ("reduce_scatter_single", "all_gather_single"):
+            original = getattr(dist, name, None)
+            if original is not None and name not in self._originals:
+                self._originals[name] = original
+                setattr(dist, name, self._keyword(name, original))
+
+    def _keyword(self, name: str, original: Any) -> Any:
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            if self.active:
+                tensor = kwargs.get("input", args[1] if len(args) > 1 else None)
+                self.calls.append(
+                    (name, str(tensor.dtype).removeprefix("torch."), tensor.numel() * tensor.element_size())
+                )
+            return original(*args, **kwargs)
+
+        return counting
+
+
+def kinds(calls: Sequence[tuple[str, str, int]]) -> dict[str, list[float]]:
+    """``{kind[dtype]: [calls, bytes]}`` of one optimizer step; the reduce-scatter names merged."""
+    totals: dict[str, list[float]] = {}
+    for name, dtype, size in calls:
+        key = f"{name.replace('_single', '_tensor')}[{dtype}]"
+        entry = totals.setdefault(key, [0, 0])
+        entry[0] += 1
+        entry[1] += size
+    return totals
+
+
+def run_point(point: Point, rank: int, counter: ShardedCounter, timeout: float, correctness: bool) -> dict[str, Any]:
+    fits: dict[str, Fit] = {}
+    for name in VARIANTS:  # set up one at a time: each setup runs its own collectives
+        fit = Fit(name, point, rank, timeout)
+        fit.start()
+        if not fit.baton.arrived.wait(WAIT_S) or fit.baton.error is not None:
+            raise RuntimeError(f"{name} did not reach its first step") from fit.baton.error
+        fits[name] = fit
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    calls: dict[str, dict[str, list[float]]] = {}
+    for unit in range(point.steps):
+        order = list(VARIANTS)
+        random.Random(point.seed * 1_000_003 + unit).shuffle(order)
+        for name in order:
+            dist.barrier()
+            start = time.perf_counter()
+            if unit == point.warmup - 1:  # a warm-up step (not the first: its gradient is gathered)
+                with counter.counting() as recorded:
+                    fits[name].release()
+                calls[name] = kinds(recorded)
+            else:
+                fits[name].release()
+            if unit >= point.warmup:
+                times[name].append(time.perf_counter() - start)
+    for name in VARIANTS:  # the last window and the end of fit, one fit at a time
+        fits[name].baton.go.set()
+        fits[name].join(WAIT_S)
+        if fits[name].is_alive() or fits[name].baton.error is not None:
+            raise RuntimeError(f"{name} did not finish") from fits[name].baton.error
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, times)
+    slowest = {name: [max(g[name][k] for g in gathered) for k in range(point.rounds)] for name in VARIANTS}
+    result: dict[str, Any] = {"point": point.__dict__, "times": slowest, "collectives": calls}
+    if correctness and rank == 0:
+        world = dist.get_world_size()
+        pattern = [[[False] * point.accumulate for _ in range(world)] for _ in range(point.steps + 1)]
+        expected = reference_params(point.size, point.rows, point.seed, pattern, world)
+        initial = list(make_model(point.size, point.seed).parameters())
+        gradient = reference_gradient(point.size, point.rows, point.seed, pattern[0], world, torch.float32)
+        result["deviation"] = {n: deviation(f.final, f.baton.initial, expected, initial) for n, f in fits.items()}
+        result["gradient_deviation"] = {
+            n: gradient_deviation(f.baton.captured or [], gradient) for n, f in fits.items()
+        }
+    dist.barrier()
+    del fits
+    gc.collect()
+    return result
+
+
+def memory_run(point: Point, variant: str, rank: int, timeout: float) -> dict[str, Any]:
+    """Peak resident memory growth over the timed steps of one variant, alone in its process group."""
+    from raw_step import _reset_peak_rss, _rss_kib
+
+    fit = Fit(variant, point, rank, timeout)
+    fit.start()
+    for _ in range(point.warmup + 1):  # set-up and the warm-up windows
+        if not fit.baton.arrived.wait(WAIT_S) or fit.baton.error is not None:
+            raise RuntimeError(f"{variant} failed") from fit.baton.error
+        if _ < point.warmup:
+            fit.release()
+    gc.collect()
+    dist.barrier()
+    before, reset = _rss_kib("VmRSS"), _reset_peak_rss()
+    for _ in range(point.rounds):
+        fit.release()
+    peak = _rss_kib("VmHWM")
+    fit.baton.go.set()
+    fit.join(WAIT_S)
+    parameter_bytes = sum(p.numel() * p.element_size() for p in make_model(point.size, point.seed).parameters())
+    return {
+        "variant": variant,
+        "peak_delta_bytes": (peak - before) * 1024 if reset else None,
+        "parameter_bytes": parameter_bytes,
+        "method": "VmHWM after clear_refs",
+    }
+
+
+# ------------------------------------------------------------------------------------- run.py and report.py
+
+
+def points(args: argparse.Namespace) -> dict[str, Any]:
+    """The level's grid: timed points and the memory point."""
+    if args.quick:
+        return {
+            "points": [Point("tiny", a, "fp32", args.rounds, max(args.warmup, 2)) for a in (1, 2)],
+            "memory": Point("tiny", 2, "fp32", 3, 2),
+        }
+    timed = [Point(s, a, "fp32", args.rounds, max(args.warmup, 2)) for s in ("0.2M", "2M") for a in (1, 4)]
+    return {"points": timed, "memory": Point("20M", 4, "fp32", 3, 2)}
+
+
+def spec(grid: dict[str, Any], repeat: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One repeat's launch: every point, the correctness columns on the first (the data are the same in all)."""
+    return {"points": [p.__dict__ for p in grid["points"]], "correctness": repeat == 0, "timeout": args.pg_timeout}
+
+
+def memory_specs(grid: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One launch per variant (not the control), each alone in its process group."""
+    point = grid["memory"].__dict__
+    names = [name for name in VARIANTS if name != "fsdp2_control"]
+    return [{"memory": {"point": point, "variant": name}, "timeout": args.pg_timeout} for name in names]
+
+
+def pool(repeats: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One entry per point: paired ratios to each variant's plain counterpart pooled over the repeats."""
+    pooled = []
+    for entries in zip(*repeats, strict=True):
+        first = entries[0]
+        ratios = {
+            name: summary([t / b for e in entries for t, b in zip(e["times"][name], e["times"][base], strict=True)])
+            for name, base in PAIRS.items()
+        }
+        ms = {name: summary([t * 1e3 for e in entries for t in e["times"][name]])["median"] for name in VARIANTS}
+        pooled.append({key: value for key, value in first.items() if key != "times"} | {"ratio": ratios, "ms": ms})
+    return pooled
+
+
+def _cell(stats: dict[str, float]) -> str:
+    return f"{stats['median']:.3f} [{stats['p10']:.3f}, {stats['p90']:.3f}]"
+
+
+def section(data: dict[str, Any]) -> str:
+    """RESULTS.md's section on the sharded strategies."""
+    entries, memory = data.get("sharded") or [], data.get("sharded_memory") or []
+    if not entries:
+        return ""
+    lines = [
+        "## Sharded strategies (Lightning Trainer step, FSDP2 and FSDP1)",
+        "",
+        "Each weighted strategy beside its plain counterpart, whole `Trainer.fit`s interleaved in the same rounds"
+        " as in the Trainer benchmark (`sharded_step.py`): **plain FSDP2** is Lightning's `ModelParallelStrategy`"
+        " (each `Linear` and the model `fully_shard`-ed over every rank; it reduce-scatters every microbatch),"
+        " **plain FSDP1** is Lightning's `FSDPStrategy` enabled on CPU (each `Linear` a unit; it reduce-scatters"
+        " once per window). Ratios are paired with the plain counterpart of the same round: median [p10, p90].",
+        "",
+        "| point | plain FSDP2 step (ms) | control ÷ FSDP2 | fsdp2_weighted ÷ FSDP2 | plain FSDP1 step (ms) |"
+        " fsdp_weighted ÷ FSDP1 | deviation / gradient deviation: FSDP2, fsdp2_weighted, FSDP1, fsdp_weighted |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for e in entries:
+        p, dev, grad = e["point"], e.get("deviation") or {}, e.get("gradient_deviation") or {}
+        devs = ", ".join(
+            f"{dev[n]:.1e} / {grad[n]:.1e}" for n in ("fsdp2", "fsdp2_weighted", "fsdp", "fsdp_weighted") if n in dev
+        )
+        lines.append(
+            f"| {p['size']} A={p['accumulate']} {p['dtype']} ({p['rounds']} rounds) | {e['ms']['fsdp2']:.2f} |"
+            f" {_cell(e['ratio']['fsdp2_control'])} | {_cell(e['ratio']['fsdp2_weighted'])} | {e['ms']['fsdp']:.2f} |"
+            f" {_cell(e['ratio']['fsdp_weighted'])} |"
+            f" {devs or '–'} |"
+        )
+    lines += ["", "Collectives per optimizer step (calls, bytes sent per rank), counted over one warm-up step:", ""]
+    lines += ["| point | variant | collectives |", "|---|---|---|"]
+    for e in entries:
+        p = e["point"]
+        for name in VARIANTS:
+            counted = e["collectives"].get(name, {})
+            listed = ", ".join(f"{k} ×{int(v[0])} ({int(v[1]):,} B)" for k, v in sorted(counted.items()))
+            lines.append(f"| {p['size']} A={p['accumulate']} | {TITLES[name]} | {listed} |")
+    if memory:
+        lines += ["", "Peak resident memory growth over the timed steps, one variant per process group:", ""]
+        lines += ["| variant | peak RSS growth (MB) | one gradient (MB) |", "|---|---:|---:|"]
+        for m in memory:
+            grow = "–" if m["peak_delta_bytes"] is None else f"{m['peak_delta_bytes'] / 1e6:.1f}"
+            lines.append(f"| {TITLES[m['variant']]} | {grow} | {m['parameter_bytes'] / 1e6:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--spec", required=True, help="JSON: points or memory, timeout, correctness")
+    parser.add_argument("--out", required=True, help="rank 0 writes its JSON results here")
+    args = parser.parse_args()
+    spec = json.loads(args.spec)
+    torch.set_num_threads(1)
+    timeout = spec.get("timeout", 120)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
+    rank = dist.get_rank()
+    output: dict[str, Any] = {}
+    if spec.get("memory"):
+        result = memory_run(Point(**spec["memory"]["point"]), spec["memory"]["variant"], rank, timeout)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, result)
+        peaks = [g["peak_delta_bytes"] for g in gathered]
+        output["memory"] = {**result, "peak_delta_bytes": None if None in peaks else max(peaks)}
+    else:
+        counter = ShardedCounter()
+        counter.install()
+        output["points"] = []
+        for entry in spec["points"]:
+            result = run_point(Point(**entry), rank, counter, timeout, spec.get("correctness", True))
+            output["points"].append(result)
+            if rank == 0:
+                medians = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in result["times"].items()}
+                print(
+                    f"sharded {Point(**entry).label}: " + " ".join(f"{k}={v:.2f}ms" for k, v in medians.items()),
+                    flush=True,
+                )
+        counter.uninstall()
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(output))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""Sharded and full checkpoints of FSDP2 and FSDP1 save and resume; at a window boundary the run is uninterrupted."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from scenario import max_relative_error, reference
+from sharded import ShardedConfig, fit_sharded
+
+
+def _checkpoint(tmp_path: Path, name: str) -> str:
+    (path,) = tmp_path.glob(f"*.ckpt/{name}")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "tolerance"),
+    [
+        ("fsdp2_weighted", 1e-12),  # a float64 model: FSDP2 keeps its dtype (measured: 0.0, sharded and full)
+        ("fsdp_weighted", 1e-7),  # FSDP1 converts the model to float32 (measured: 0.0, sharded and full)
+    ],
+)
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
+def test_resuming_from_an_epoch_end_checkpoint_matches_the_uninterrupted_run(tmp_path, strategy, tolerance, full):
+    base = ShardedConfig(
+        strategy=strategy,
+        accumulate=3,
+        batches=7,
+        epochs=2,
+        lengths=(7, 5),
+        float64=strategy == "fsdp2_weighted",
+        full_checkpoint=full,
+    )
+    uninterrupted = fit_sharded(base, tmp_path / "u")
+    fit_sharded(dataclasses.replace(base, epochs=1, checkpoint=True), tmp_path / "a")
+    saved = _checkpoint(tmp_path / "a", "epoch=0-step=3.ckpt")
+    assert Path(saved).is_file() is full  # a full checkpoint is one file, a sharded one a folder
+    resumed = fit_sharded(dataclasses.replace(base, resume=saved), tmp_path / "b")
+    difference = max(
+        float((a.double() - b.double()).abs().max())
+        for a, b in zip(resumed[0]["params"], uninterrupted[0]["params"], strict=True)
+    )
+    assert difference < tolerance
+    assert resumed[0]["global_step"] == uninterrupted[0]["global_step"] == 6
+    assert max_relative_error(resumed[0]["params"], reference(base)["params"]) < tolerance * 10
