@@ -168,8 +168,8 @@ class FabricAdapter(ParallelStrategy):
         loader = participating(without_padding(dataloader), participation, self.root_device)
         return loader if participation.replaying is None else FabricLoader(loader, participation, self)
 
-    def begin_batch(self, participation: Participation, replay: bool) -> None:
-        """Called by a set-up loader as it yields a batch: whether the batch is a replay of an exhausted rank."""
+    def begin_batch(self, participation: Participation | None, replay: bool) -> None:
+        """Called by a set-up loader as it yields a batch (whether it is a replay), and with ``None`` at its end."""
         self._participation, self.padding_step = participation, replay
 
     # ------------------------------------------------------------------------------------------- internals

@@ -18,8 +18,8 @@ class _Stepping(Protocol):
 
     backwards: int
 
-    def begin_batch(self, participation: Participation, replay: bool) -> None:
-        """Takes note of the batch about to be yielded."""
+    def begin_batch(self, participation: Participation | None, replay: bool) -> None:
+        """Takes note of the batch about to be yielded (``None``: the loader is done)."""
 
 
 class FabricLoader:
@@ -66,4 +66,4 @@ class FabricLoader:
                 backwards = self.strategy.backwards
                 yield batch
         finally:
-            self.strategy.begin_batch(state, replay=False)
+            self.strategy.begin_batch(None, replay=False)
