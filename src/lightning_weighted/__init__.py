@@ -2,13 +2,16 @@
 
 Importing this package registers ``"ddp_weighted"``, ``"ddp_weighted_spawn"``, ``"ddp_weighted_fork"``,
 ``"ddp_weighted_find_unused_parameters_true"``, ``"fsdp2_weighted"`` (FSDP2) and ``"fsdp_weighted"`` (FSDP1) in
-Lightning's ``StrategyRegistry``. The objective is stated in :mod:`lightning_weighted.window`.
+Lightning's ``StrategyRegistry``, and the DDP names (with ``"ddp_weighted_notebook"``) and ``"fsdp2_weighted"`` in
+Fabric's ``STRATEGY_REGISTRY``. The objective is stated in :mod:`lightning_weighted.window`.
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_STRATEGIES
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_weighted.audit import AuditReport, ObjectiveAudit, ObjectiveMismatchError, is_replaying
 from lightning_weighted.counting import ItemCounter, count_examples, count_tokens, count_weights
+from lightning_weighted.fabric import WeightedFabricDDPStrategy, WeightedFabricModelParallelStrategy
 from lightning_weighted.participation import UnpaddedDistributedSampler
 from lightning_weighted.reduce.ddp_hook import WeightedReduceState, weighted_allreduce_hook
 from lightning_weighted.reduce.sharded import ShardedReduceState
@@ -31,6 +34,8 @@ __all__ = [
     "UnpaddedDistributedSampler",
     "WeightedDDPStrategy",
     "WeightedFSDPStrategy",
+    "WeightedFabricDDPStrategy",
+    "WeightedFabricModelParallelStrategy",
     "WeightedModelParallelStrategy",
     "WeightedReduceState",
     "Window",
@@ -47,3 +52,5 @@ __version__ = "0.1.0"
 WeightedDDPStrategy.register_strategies(StrategyRegistry)
 WeightedModelParallelStrategy.register_strategies(StrategyRegistry)
 WeightedFSDPStrategy.register_strategies(StrategyRegistry)
+WeightedFabricDDPStrategy.register_strategies(_FABRIC_STRATEGIES)
+WeightedFabricModelParallelStrategy.register_strategies(_FABRIC_STRATEGIES)

@@ -24,6 +24,7 @@ __all__ = [
     "GlobalCount",
     "Ride",
     "Slot",
+    "Wording",
     "count_of",
     "decode",
     "imbalance",
@@ -47,6 +48,7 @@ class CountProblem(IntEnum):
     FRACTIONAL = 7
     TOO_LARGE = 8
     REDUCTION = 9
+    MISSING = 10
 
 
 FIX = (
@@ -54,13 +56,29 @@ FIX = (
     " the number of valid items (or the sum of sample weights) behind `local_mean`: an int, a float or a 0-dim"
     " tensor, finite and >= 0"
 )
+
+
+@dataclass(frozen=True)
+class Wording:
+    """How an engine's count errors name the call that handed over a loss and its count, and the fix they give.
+
+    Attributes:
+        source: the call and its verb, as in ``"training_step returned"``.
+        fix: the sentence that says what a valid count is and where it goes.
+    """
+
+    source: str
+    fix: str
+
+
+TRAINER = Wording("training_step returned", FIX)
 _MESSAGES: dict[CountProblem, tuple[type[Exception], str]] = {
     CountProblem.NEGATIVE: (ValueError, "a microbatch's count is negative ({value!r})"),
     CountProblem.NOT_FINITE: (ValueError, "a microbatch's count is not finite ({value!r})"),
     CountProblem.NOT_A_NUMBER: (TypeError, "a microbatch's count is not a number"),
     CountProblem.NOT_A_SCALAR: (TypeError, "a microbatch's count is a tensor with more than one element"),
-    CountProblem.NO_LOSS: (RuntimeError, "training_step returned None instead of a loss"),
-    CountProblem.NO_GRAPH: (RuntimeError, "training_step returned a loss that is not attached to the graph"),
+    CountProblem.NO_LOSS: (RuntimeError, "{source} None instead of a loss"),
+    CountProblem.NO_GRAPH: (RuntimeError, "{source} a loss that is not attached to the graph"),
     CountProblem.FRACTIONAL: (ValueError, "a microbatch's count of examples or tokens is fractional ({value!r})"),
     CountProblem.TOO_LARGE: (
         ValueError,
@@ -69,9 +87,10 @@ _MESSAGES: dict[CountProblem, tuple[type[Exception], str]] = {
     ),
     CountProblem.REDUCTION: (
         ValueError,
-        "training_step returned a 'reduction' that is neither 'mean' nor 'sum'; return 'sum' with a loss summed"
-        " over the microbatch's items, or leave it out for a mean",
+        "{source} a 'reduction' that is neither 'mean' nor 'sum'; use 'sum' with a loss summed over the"
+        " microbatch's items, or leave it out for a mean",
     ),
+    CountProblem.MISSING: (TypeError, "{source} no count"),
 }
 _WITH_VALUE = (CountProblem.NEGATIVE, CountProblem.NOT_FINITE, CountProblem.FRACTIONAL, CountProblem.TOO_LARGE)
 
@@ -300,8 +319,10 @@ class GlobalCount:
     loss_sum: float = 0.0
 
 
-def decode(summed: Sequence[float]) -> GlobalCount:
+def decode(summed: Sequence[float], wording: Wording = TRAINER) -> GlobalCount:
     """Turns the summed payload (indexed by :class:`Slot`) into ``N`` or one error, identical on every rank.
+
+    ``wording`` says, in the error, where the loss and its count came from and what the fix is.
 
     Example::
 
@@ -315,9 +336,10 @@ def decode(summed: Sequence[float]) -> GlobalCount:
     if invalid == 1:
         rank, kind = divmod(round(summed[Slot.CODE]), _KINDS)
         error_type, what = _MESSAGES[CountProblem(kind)]
-        error = error_type(f"on rank {rank}, {what.format(value=summed[Slot.VALUE])}. {FIX}.")
+        what = what.format(value=summed[Slot.VALUE], source=wording.source)
+        error = error_type(f"on rank {rank}, {what}. {wording.fix}.")
     elif invalid > 1:
-        error = ValueError(f"on {invalid} ranks, a microbatch's count or loss is invalid. {FIX}.")
+        error = ValueError(f"on {invalid} ranks, a microbatch's count or loss is invalid. {wording.fix}.")
     return GlobalCount(summed[Slot.ITEMS], error, more, summed[Slot.LOSS])
 
 

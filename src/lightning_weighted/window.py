@@ -30,7 +30,7 @@ from enum import Enum
 
 from torch import Tensor
 
-from lightning_weighted._counts import MAX_ITEMS, Count, CountPayload, CountProblem, decode
+from lightning_weighted._counts import MAX_ITEMS, TRAINER, Count, CountPayload, CountProblem, Wording, decode
 
 __all__ = ["LossScale", "Window", "WindowResult"]
 
@@ -134,9 +134,15 @@ class Window:
         """
         return CountPayload(self.items, self.problem, rank, more, self.loss_sum)
 
-    def finish(self, summed: Sequence[float], step: int = 0) -> WindowResult:
-        """The window's result from the SUM of every rank's payload; raises its error, the same on every rank."""
-        total = decode(summed)
+    def finish(self, summed: Sequence[float], step: int = 0, wording: Wording = TRAINER) -> WindowResult:
+        """The window's result from the SUM of every rank's payload; raises its error, the same on every rank.
+
+        Args:
+            summed: the SUM of every rank's :meth:`payload`, indexed by :class:`~lightning_weighted._counts.Slot`.
+            step: the optimizer step the window ends at.
+            wording: how the error names the call that handed over the counts, and the fix.
+        """
+        total = decode(summed, wording)
         if total.error is not None:
             raise total.error
         loss = total.loss_sum / total.items if total.items > 0 else math.nan

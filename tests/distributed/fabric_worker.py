@@ -1,0 +1,203 @@
+"""One Fabric training loop over `scenario`'s data; every rank saves what it saw to `<out>.rank<r>`.
+
+Started by `launcher.ranks` (the environment says which rank it is, so Fabric launches no process itself). The
+loop is the one a Fabric user writes: `fabric.no_backward_sync` for the microbatches before each window's last,
+`fabric.clip_gradients` and `optimizer.step()` after it; plain `"ddp"` divides each microbatch's mean by the
+window size instead of passing its count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
+from scenario import (
+    Batch,
+    Config,
+    count_of,
+    inject,
+    item_losses,
+    make_batches,
+    make_model,
+    make_optimizer,
+    shared_dataset,
+)
+from sharded_worker import local, whole
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+from worker import _COLLECTIVES, Recorder, rank_arguments
+
+import lightning_weighted
+from lightning_weighted.fabric.model_parallel import shard_each_child
+
+
+@dataclasses.dataclass
+class FabricConfig(Config):
+    marking: str = "no_sync"  # how windows are marked: "no_sync" (no_backward_sync) or "window_end" (the keyword)
+    item_sum: bool = False  # pass the loss as a sum over items, with reduction="sum"
+    misuse: str | None = None  # a use the strategy refuses: see `train_epoch`
+    evaluate: bool = False  # after training, one pass over the loader without backward (an evaluation loop)
+
+
+def weighted(config: Config) -> bool:
+    return config.strategy.endswith("_weighted") or "_weighted_" in config.strategy
+
+
+def make_strategy(config: FabricConfig) -> Any:
+    kwargs: dict[str, Any] = {"timeout": timedelta(seconds=config.pg_timeout)}
+    if config.strategy.startswith("fsdp2"):  # FSDP2: fully_shard each Linear, then the whole model
+        if weighted(config):
+            return lightning_weighted.WeightedFabricModelParallelStrategy(participation=config.participation, **kwargs)
+        return ModelParallelStrategy(
+            shard_each_child, data_parallel_size=config.world_size, tensor_parallel_size=1, **kwargs
+        )
+    if weighted(config):
+        if config.participation != "pad":
+            kwargs["participation"] = config.participation
+        if config.ride_limit_bytes is not None:
+            kwargs["ride_limit_bytes"] = config.ride_limit_bytes
+        return lightning_weighted.WeightedFabricDDPStrategy(**kwargs)
+    return DDPStrategy(**kwargs)
+
+
+class _Epochs:
+    """The current epoch of a rank's own microbatches (each item a whole microbatch: `batch_size=None`)."""
+
+    def __init__(self, config: Config, rank: int) -> None:
+        self.epochs = [make_batches(config, rank, e) for e in range(config.epochs)]
+        self.epoch = 0
+
+
+class _EpochList(Dataset[Batch]):
+    def __init__(self, epochs: _Epochs) -> None:
+        self.epochs = epochs
+
+    def __len__(self) -> int:
+        return len(self.epochs.epochs[0])
+
+    def __getitem__(self, index: int) -> Batch:
+        return self.epochs.epochs[self.epochs.epoch][index]
+
+
+class _EpochStream(IterableDataset[Batch]):
+    def __init__(self, epochs: _Epochs) -> None:
+        self.epochs = epochs
+
+    def __iter__(self) -> Iterator[Batch]:
+        return iter(self.epochs.epochs[self.epochs.epoch])
+
+
+def make_loader(config: Config, rank: int) -> tuple[DataLoader[Any], _Epochs | None]:
+    if config.items is not None:  # one dataset, sharded by the sampler Fabric sets up
+        return DataLoader(shared_dataset(config), batch_size=config.batch_size, shuffle=True), None
+    epochs = _Epochs(config, rank)
+    dataset = _EpochStream(epochs) if config.iterable else _EpochList(epochs)
+    return DataLoader(dataset, batch_size=None), epochs
+
+
+def main() -> None:
+    args = rank_arguments()
+    config = FabricConfig(**json.loads(args.config))
+    fabric = Fabric(
+        strategy=make_strategy(config),
+        accelerator="cpu",
+        devices=config.world_size,
+        precision=config.precision,  # type: ignore[arg-type]
+    )
+    fabric.launch()
+    rank, strategy = fabric.global_rank, fabric.strategy
+    record: dict[str, Any] = {"rank": rank, "steps": [], "padding": [], "windows": [], "error": None, "params": None}
+    model: Any = None
+    recorder = Recorder(config, "")
+    record["collectives"] = recorder.collectives  # (name, dtype, numel) of every collective once training starts
+    try:
+        model = fabric.setup_module(make_model(config.seed))  # FSDP2 shards it: the optimizer comes after
+        optimizer = fabric.setup_optimizers(make_optimizer(config, model.parameters()))
+        if config.misuse == "second_model":
+            fabric.setup_module(make_model(config.seed + 1))
+        loader, epochs = make_loader(config, rank)
+        loader = fabric.setup_dataloaders(loader, use_distributed_sampler=config.items is not None)
+        if config.count_collectives:
+            for name in _COLLECTIVES:
+                setattr(dist, name, recorder._counting(name, getattr(dist, name)))
+        for epoch in range(config.epochs):
+            if epochs is not None:
+                epochs.epoch = epoch
+            train_epoch(fabric, config, model, optimizer, loader, record)
+        if config.evaluate:
+            with torch.no_grad():
+                record["evaluation"] = [(float(model(x).sum()), strategy.padding_step) for x, _, _ in loader]
+        record["params"] = [whole(p) for p in model.parameters()]
+    except Exception as error:
+        record["error"] = f"{type(error).__name__}: {error}"
+        raise
+    finally:
+        record["skipped_steps"] = getattr(strategy, "skipped_steps", None)
+        record["local_params"] = None if model is None else [local(p.detach()) for p in model.parameters()]
+        torch.save(record, f"{args.out}.rank{rank}")
+
+
+def train_epoch(fabric: Fabric, config: FabricConfig, model: Any, optimizer: Any, loader: Any, record: Any) -> None:
+    a, strategy = config.accumulate, fabric.strategy
+    length = None if config.iterable else len(loader)
+    for index, (x, y, w) in enumerate(loader):
+        if config.precision == "64-true":  # Fabric converts the model's inputs, not the batch: weights in float64
+            y, w = y.double(), w.double()
+        last = (index + 1) % a == 0 or index + 1 == length
+        record["padding"].append(bool(getattr(strategy, "padding_step", False)))
+        if config.fault is not None and config.fault[2] == index:
+            inject(config.fault, fabric.global_rank, "training_step")
+        sync_off = config.marking == "no_sync" and not last
+        misuse = config.misuse if index == 0 else None
+        with fabric.no_backward_sync(model, enabled=sync_off):
+            losses = item_losses(model, x, y)
+            total = (losses * w).sum()
+            mean = total / w.sum()  # NaN when every item is masked: 0/0
+            count = count_of(config, w)
+            if config.bad_count is not None and list(config.bad_count[:2]) == [fabric.global_rank, index]:
+                count = config.bad_count[2]
+            if not weighted(config):
+                fabric.backward(mean / a)
+            else:
+                keywords: dict[str, Any] = {} if count == "missing" else {"count": count}
+                if count == "nograd":  # a loss cut from the graph, with a valid count
+                    mean, total, keywords = mean.detach(), total.detach(), {"count": 3}
+                if config.marking == "window_end" or misuse == "window_end_in_no_sync":
+                    keywords["window_end"] = last or misuse == "window_end_in_no_sync"
+                reduction = "avg" if misuse == "reduction" else "sum" if config.item_sum else "mean"
+                fabric.backward(total if config.item_sum else mean, reduction=reduction, **keywords)
+        if misuse == "step_in_open_window":
+            optimizer.step()
+        if misuse == "clip_in_open_window":
+            fabric.clip_gradients(model, optimizer, max_norm=1.0)
+        if not last:
+            continue
+        window = getattr(strategy, "last_window", None)
+        if window is not None:
+            record["windows"].append((window.step, window.items, window.local_items))
+        grads = [whole(p.grad).double() for p in model.parameters() if p.grad is not None]
+        norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0
+        step: dict[str, Any] = {"norm": norm, "collectives": len(record["collectives"])}
+        if config.clip is not None:
+            if config.clip_algorithm == "value":
+                fabric.clip_gradients(model, optimizer, clip_val=config.clip)
+            else:
+                fabric.clip_gradients(model, optimizer, max_norm=config.clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        step["params"] = [whole(p) for p in model.parameters()]
+        step["local_params"] = [local(p.detach()) for p in model.parameters()]
+        step["state"] = {  # this rank's shard of it, under FSDP2
+            k: {n: local(t) for n, t in v.items()} for k, v in optimizer.optimizer.state_dict()["state"].items()
+        }
+        record["steps"].append(step)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""Fabric loops under `"ddp_weighted"` and `"fsdp2_weighted"`: the float64 reference of the global item mean, with
+plain Fabric `"ddp"` (and FSDP2) failing it; accumulation through `no_backward_sync` or `window_end=`, uneven
+ranks, empty microbatches and windows, bad counts, clipping and precision (2 gloo ranks, forked ready-imported)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from fabric_worker import FabricConfig
+from harness import run_worker
+from scenario import is_finite, max_relative_error, reference
+
+FIX = "Pass each microbatch's count as `fabric.backward(loss, count=n)`"
+ENGINES = ["ddp_weighted", "fsdp2_weighted"]
+PLAIN = {"ddp_weighted": "ddp", "fsdp2_weighted": "fsdp2"}
+
+
+def fabric_fit(config: FabricConfig, tmp_path: Path, timeout: float = 120, expect_failure: bool = False) -> Any:
+    """Runs `fabric_worker.py` on the config's ranks; returns every rank's record (with `error` when one raised)."""
+    out, done = run_worker("fabric_worker.py", config, tmp_path, timeout)
+    assert (done.returncode != 0) == expect_failure, done.stdout[-8000:]
+    return [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(config.world_size)]
+
+
+def _equal(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(_equal, a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("strategy", ENGINES)
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_fabric_matches_the_float64_reference_and_plain_fabric_does_not(tmp_path, strategy, accumulate):
+    # uneven token-masked microbatches (rank 1's hold several times rank 0's tokens), windows of A through
+    # no_backward_sync, the short last window of each epoch included
+    config = FabricConfig(strategy=strategy, accumulate=accumulate, batches=7, epochs=2, mode="tokens")
+    expected = reference(config)
+    weighted = fabric_fit(config, tmp_path)
+    plain = fabric_fit(dataclasses.replace(config, strategy=PLAIN[strategy]), tmp_path)
+
+    assert len(weighted[0]["steps"]) == len(expected["norms"]) == 2 * math.ceil(7 / accumulate)
+    assert max_relative_error(weighted[0]["params"], expected["params"]) < 1e-5
+    assert _equal(weighted[0]["params"], weighted[1]["params"])  # replicas agree
+    assert [s["norm"] for s in weighted[0]["steps"]] == pytest.approx(expected["norms"], rel=1e-5)
+    assert [w[1] for w in weighted[0]["windows"]] == expected["items"]  # N of every window
+    # the same check fails for plain Fabric: its mean of means re-weights the items
+    assert max_relative_error(plain[0]["params"], expected["params"]) > 1e-2
+
+
+@pytest.mark.parametrize("strategy", ENGINES)
+@pytest.mark.parametrize("marking", ["no_sync", "window_end"])
+def test_each_window_costs_one_count_reduction_however_it_is_marked(tmp_path, strategy, marking):
+    # window_end=False outside no_backward_sync: DDP runs its hook, which keeps the buckets local
+    config = FabricConfig(strategy=strategy, accumulate=3, batches=7, marking=marking, count_collectives=True)
+    result = fabric_fit(config, tmp_path)
+    assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
+    for rank in result:
+        ours = [c for c in rank["collectives"] if c[0] == "all_reduce"]
+        if strategy == "ddp_weighted":  # the one bucket (21 gradients), 12 count values riding at its end
+            assert ours == [("all_reduce", "torch.float32", 21 + 12)] * 3  # windows of 3, 3 and 1 microbatches
+            assert [s["collectives"] for s in rank["steps"]] == [1, 2, 3]
+        else:  # FSDP2 reduce-scatters every microbatch; the counts take one 6 × 8-byte all-reduce per window
+            assert ours == [("all_reduce", "torch.float64", 6)] * 3
+
+
+@pytest.mark.parametrize("strategy", ENGINES)
+def test_item_sum_losses_passed_with_reduction_sum_match_the_reference(tmp_path, strategy):
+    config = FabricConfig(strategy=strategy, accumulate=2, mode="weights", item_sum=True)
+    result = fabric_fit(config, tmp_path)
+    assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
+
+
+@pytest.mark.parametrize("strategy", ENGINES)
+@pytest.mark.parametrize(
+    ("lengths", "iterable"),
+    [([5, 8], False), ([5, 8], True), ([0, 5], False)],  # sized, unsized, and a rank without any batch
+)
+def test_ranks_with_less_data_keep_stepping_with_replays_and_match_the_reference(tmp_path, strategy, lengths, iterable):
+    config = FabricConfig(strategy=strategy, accumulate=2, lengths=lengths, iterable=iterable, epochs=2)
+    result = fabric_fit(config, tmp_path)
+    expected = reference(config)
+    assert max_relative_error(result[0]["params"], expected["params"]) < 1e-5
+    longest = max(lengths)
+    for rank, record in enumerate(result):
+        assert len(record["steps"]) == len(expected["norms"])  # every rank steps until every rank is done
+        per_epoch = [False] * lengths[rank] + [True] * (longest - lengths[rank])
+        assert record["padding"] == per_epoch * 2  # the replays, and only they, are marked
+        assert [w[2] for w in record["windows"]] == [local[rank] for local in expected["local_items"]]
+
+
+@pytest.mark.parametrize("strategy", ENGINES)
+def test_setup_dataloaders_shards_without_padding_so_each_item_counts_once(tmp_path, strategy):
+    # 21 items, batches of 4, 2 ranks: 11 and 10 items; Fabric's own sampler would repeat one item on rank 1
+    config = FabricConfig(strategy=strategy, accumulate=2, items=21, batch_size=4, epochs=2, mode="weights")
+    result = fabric_fit(config, tmp_path)
+    expected = reference(config)
+    assert max_relative_error(result[0]["params"], expected["params"]) < 1e-5
+    # float32 weight sums: a repeated item (weights 0.1 to 2.0) would move the total by more than 2e-3
+    assert sum(w[1] for w in result[0]["windows"]) == pytest.approx(sum(expected["items"]), rel=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ENGINES)
+def test_fully_masked_microbatches_with_nan_means_contribute_exactly_zero(tmp_path, strategy):
+    # rank 0's microbatch 1 and rank 1's microbatch 4 have every token masked: their means are 0/0 = NaN
+    config = FabricConfig(strategy=strategy, accumulate=2, masked=[(0, 1), (1, 4)])
+    result = fabric_fit(config, tmp_path)
+    assert is_finite(result[0]["params"])
+    assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
+
+
+@pytest.mark.parametrize("strategy", ENGINES)
+def test_a_window_without_items_leaves_params_and_optimizer_state_bit_identical(tmp_path, strategy):
+    # windows 0, 1, 2 of A = 2; window 1 has no valid item on any rank
+    config = FabricConfig(strategy=strategy, accumulate=2, empty_windows=[1], optimizer="adam", lr=0.05)
+    result = fabric_fit(config, tmp_path)
+    for rank in result:
+        before, empty, after = rank["steps"]
+        assert empty["norm"] == 0.0  # no gradient at all
+        assert _equal(empty["params"], before["params"])
+        assert _equal(empty["state"], before["state"])  # Adam moments and step counts
+        assert not _equal(after["params"], empty["params"])
+        assert rank["skipped_steps"] == 1
+    assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
+
+
+@pytest.mark.parametrize("strategy", ENGINES)
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (-3, "ValueError: on rank 1, a microbatch's count is negative (-3.0)."),
+        (float("nan"), "ValueError: on rank 1, a microbatch's count is not finite (nan)."),
+        ("missing", "TypeError: on rank 1, fabric.backward got no count."),
+    ],
+)
+def test_a_bad_or_missing_count_on_one_rank_raises_the_same_error_on_every_rank_before_the_step(
+    tmp_path, strategy, value, message
+):
+    # rank 1's microbatch 3 sits in window 1 (A = 2): window 0 steps, window 1 raises at its end
+    config = FabricConfig(strategy=strategy, accumulate=2, bad_count=[1, 3, value])
+    result = fabric_fit(config, tmp_path, timeout=60, expect_failure=True)
+    for rank in result:
+        assert rank["error"] == result[0]["error"]
+        assert rank["error"].startswith(message) and FIX in rank["error"]
+        assert len(rank["steps"]) == 1
+        assert _equal(rank["local_params"], rank["steps"][0]["local_params"])  # nothing changed after window 0
+
+
+@pytest.mark.parametrize("strategy", ENGINES)
+def test_a_loss_without_a_graph_on_one_rank_ends_every_rank_with_the_reason(tmp_path, strategy):
+    config = FabricConfig(strategy=strategy, accumulate=2, bad_count=[1, 3, "nograd"], pg_timeout=10)
+    result = fabric_fit(config, tmp_path, timeout=60, expect_failure=True)
+    if strategy == "ddp_weighted":  # the flag travels with the counts: the same error on every rank
+        for rank in result:
+            assert rank["error"].startswith("RuntimeError: on rank 1, fabric.backward got a loss that is not attached")
+            assert len(rank["steps"]) == 1
+    else:  # a sharded backward needs the graph: that rank says why, its peer fails as its connections close
+        assert result[1]["error"].startswith("RuntimeError: On rank 1, fabric.backward got a loss that is not")
+        assert "gloo" in result[0]["error"]  # "Connection closed by peer", or "reset" as the race goes
+
+
+@pytest.mark.parametrize("strategy", ENGINES)
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_fabric_clip_gradients_sees_the_normalized_gradient(tmp_path, strategy, algorithm):
+    config = FabricConfig(strategy=strategy, accumulate=2, mode="examples", clip=0.05, clip_algorithm=algorithm)
+    expected = reference(config)
+    assert max(expected["norms"]) > 0.05  # clipping is active
+    result = fabric_fit(config, tmp_path)
+    assert [s["norm"] for s in result[0]["steps"]] == pytest.approx(expected["norms"], rel=1e-5)
+    assert max_relative_error(result[0]["params"], expected["params"]) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("strategy", "precision", "rtol"),
+    [
+        ("ddp_weighted", "bf16-mixed", 3e-2),  # fp32 gradients: the counts ride
+        ("ddp_weighted", "bf16-true", 5e-2),  # bf16 gradients: mean-sized losses, counts in a float64 all-reduce
+        ("ddp_weighted", "16-true", 5e-2),
+        ("ddp_weighted", "64-true", 1e-7),  # Fabric hands the model's outputs back in float32: a float32 loss
+        ("fsdp2_weighted", "bf16-mixed", 3e-2),
+        ("fsdp2_weighted", "bf16-true", 5e-2),  # bf16 item sums reduced, then divided on the shards
+    ],
+)
+def test_every_precision_gives_the_reference_within_its_precision_and_plain_fabric_does_not(
+    tmp_path, strategy, precision, rtol
+):
+    config = FabricConfig(strategy=strategy, accumulate=2, mode="weights", precision=precision, lr=0.05)
+    result = fabric_fit(config, tmp_path)
+    expected = reference(config)
+    assert max_relative_error(result[0]["params"], expected["params"]) < rtol
+    assert [s["norm"] for s in result[0]["steps"]] == pytest.approx(expected["norms"], rel=max(rtol, 1e-6))
+    plain = fabric_fit(dataclasses.replace(config, strategy=PLAIN[strategy]), tmp_path)
+    assert max_relative_error(plain[0]["params"], expected["params"]) > 0.1
+
+
+@pytest.mark.parametrize(
+    ("strategy", "misuse", "message"),
+    [
+        ("ddp_weighted", "window_end_in_no_sync", "RuntimeError: fabric.backward(..., window_end=True) ran inside"),
+        ("fsdp2_weighted", "window_end_in_no_sync", "RuntimeError: fabric.backward(..., window_end=True) ran inside"),
+        ("ddp_weighted", "step_in_open_window", "RuntimeError: optimizer.step() was called while a window is open"),
+        ("fsdp2_weighted", "step_in_open_window", "RuntimeError: optimizer.step() was called while a window is open"),
+        ("ddp_weighted", "clip_in_open_window", "RuntimeError: fabric.clip_gradients was called while a window is"),
+        ("ddp_weighted", "reduction", "ValueError: fabric.backward got reduction='avg'"),
+        ("ddp_weighted", "second_model", "RuntimeError: WeightedFabricDDPStrategy weights the gradients of one"),
+        ("fsdp2_weighted", "second_model", "RuntimeError: WeightedFabricModelParallelStrategy weights the gradients"),
+    ],
+)
+def test_uses_that_cannot_be_weighted_are_refused_on_every_rank_with_the_fix(tmp_path, strategy, misuse, message):
+    config = FabricConfig(strategy=strategy, accumulate=2, misuse=misuse)
+    result = fabric_fit(config, tmp_path, timeout=60, expect_failure=True)
+    for rank in result:
+        assert rank["error"].startswith(message), rank["error"]
+        assert rank["steps"] == []
+
+
+def test_fsdp2_reducing_item_sums_in_fp16_is_refused_at_setup_with_the_fix(tmp_path):
+    config = FabricConfig(strategy="fsdp2_weighted", precision="16-true")
+    result = fabric_fit(config, tmp_path, timeout=60, expect_failure=True)
+    for rank in result:
+        assert "reduces its gradients in float16" in rank["error"], rank["error"]
+        assert "reduce_dtype=torch.float32" in rank["error"]
+
+
+@pytest.mark.parametrize("iterable", [False, True])
+def test_an_evaluation_loop_sees_replays_marked_or_ends_with_its_own_data(tmp_path, iterable):
+    # after training, one pass without backward: a sized loader gives every rank the longest rank's length, the
+    # replays marked by `padding_step`; an unsized one ends where the rank's own data does, as with plain Fabric
+    config = FabricConfig(strategy="ddp_weighted", accumulate=2, lengths=[5, 8], iterable=iterable, evaluate=True)
+    result = fabric_fit(config, tmp_path)
+    for rank, length in zip(result, [5, 8], strict=True):
+        marks = [replay for _, replay in rank["evaluation"]]
+        assert marks == [False] * length + ([] if iterable else [True] * (8 - length))
+
+
+@pytest.mark.parametrize("strategy", ENGINES)
+def test_an_exception_on_one_rank_mid_window_ends_every_rank_well_before_the_timeout(tmp_path, strategy):
+    # rank 1 raises at microbatch 3, inside window 1 (A = 2); rank 0 is left in that window's collectives
+    config = FabricConfig(strategy=strategy, accumulate=2, fault=["raise", 1, 3], pg_timeout=10)
+    out, done = run_worker("fabric_worker.py", config, tmp_path, timeout=60)
+    assert done.returncode != 0
+    records = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(2)]
+    assert records[1]["error"] == "RuntimeError: injected raise on rank 1"
+    assert records[0]["error"] is not None  # the peer fails too, as the raising rank's connections close
+    assert all(len(record["steps"]) == 1 for record in records)
+    struck = re.search(r"FAULT raise (\d+\.\d+)", done.stdout)
+    assert struck is not None, done.stdout[-4000:]
+    assert done.ended - float(struck.group(1)) < config.pg_timeout  # every rank ended before the timeout

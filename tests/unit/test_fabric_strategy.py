@@ -1,0 +1,90 @@
+"""The Fabric strategies' surface: registration in Fabric's registry, their error wording, pickling (no processes)."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import pickle
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+import lightning_weighted
+from lightning_weighted import WeightedFabricDDPStrategy, WeightedFabricModelParallelStrategy
+from lightning_weighted._counts import Count, CountProblem
+from lightning_weighted.fabric._adapter import FABRIC
+from lightning_weighted.window import Window
+
+NAMES = {
+    "ddp_weighted": ("popen", False),
+    "ddp_weighted_spawn": ("spawn", False),
+    "ddp_weighted_fork": ("fork", False),
+    "ddp_weighted_notebook": ("fork", False),
+    "ddp_weighted_find_unused_parameters_true": ("popen", True),
+}
+
+
+def test_import_registers_every_fabric_name_and_reimport_changes_nothing():
+    before = {name: STRATEGY_REGISTRY[name] for name in NAMES}
+    importlib.reload(lightning_weighted)
+    for name, (start_method, find_unused) in NAMES.items():
+        entry = STRATEGY_REGISTRY[name]
+        assert entry["strategy"].__name__ == "WeightedFabricDDPStrategy"
+        assert entry["init_params"]["start_method"] == start_method
+        assert entry["init_params"].get("find_unused_parameters", False) is find_unused
+        assert entry["init_params"] == before[name]["init_params"]
+    assert STRATEGY_REGISTRY["fsdp2_weighted"]["strategy"] is WeightedFabricModelParallelStrategy
+    assert "ddp" in STRATEGY_REGISTRY  # Fabric's own names stay
+
+
+def test_fabric_builds_the_fsdp2_strategy_from_its_name_and_no_backward_sync_marks_the_window():
+    fabric = Fabric(strategy="fsdp2_weighted", accelerator="cpu", devices=2)
+    assert isinstance(fabric.strategy, WeightedFabricModelParallelStrategy)
+    with fabric.strategy.accumulating():  # what `fabric.no_backward_sync(model)` enters
+        assert not fabric.strategy._syncs()
+    assert fabric.strategy._syncs()
+
+
+@pytest.mark.parametrize("name", sorted(NAMES))
+def test_fabric_builds_the_strategy_from_its_name(name):
+    fabric = Fabric(strategy=name, accelerator="cpu", devices=2)
+    assert isinstance(fabric.strategy, WeightedFabricDDPStrategy)
+    assert fabric.strategy._start_method == NAMES[name][0]
+    assert fabric.strategy._ddp_kwargs.get("find_unused_parameters", False) is NAMES[name][1]
+
+
+@pytest.mark.parametrize(
+    ("problem", "value", "error", "match"),
+    [
+        (CountProblem.MISSING, math.nan, TypeError, r"on rank 1, fabric\.backward got no count\. Pass each micro"),
+        (CountProblem.NEGATIVE, -3.0, ValueError, r"count is negative \(-3\.0\)\. Pass .* `fabric\.backward\(loss, c"),
+        (CountProblem.NO_GRAPH, math.nan, RuntimeError, r"on rank 1, fabric\.backward got a loss that is not attac"),
+    ],
+)
+def test_fabric_errors_name_fabric_backward_and_its_count_argument(problem, value, error, match):
+    good, bad = Window(), Window()
+    good.add(Count(4.0))
+    bad.reject(problem, value)
+    summed = [a + b for a, b in zip(good.payload(0).fields(), bad.payload(1).fields(), strict=True)]
+    for window in (good, bad):
+        with pytest.raises(error, match=match):
+            window.finish(summed, wording=FABRIC)
+
+
+def test_a_bad_participation_policy_is_refused_where_it_is_passed():
+    with pytest.raises(ValueError, match=r"participation='sometimes' is not a policy: choose 'pad' or 'strict'"):
+        WeightedFabricDDPStrategy(participation="sometimes")  # type: ignore[arg-type]
+
+
+def test_the_fabric_strategy_pickles_for_the_spawn_launcher():
+    strategy = pickle.loads(pickle.dumps(WeightedFabricDDPStrategy(find_unused_parameters=True, ride_limit_bytes=7)))
+    assert strategy._ddp_kwargs == {"find_unused_parameters": True}
+    assert strategy._reduce_state.ride_limit_bytes == 7
+    assert (strategy.skipped_steps, strategy.last_window, strategy.padding_step) == (0, None, False)
+
+
+def test_fabric_backward_before_a_model_is_set_up_says_so():
+    with pytest.raises(RuntimeError, match=r"fabric\.backward ran before a model was set up: call `model, optimizer"):
+        WeightedFabricDDPStrategy().backward(torch.ones((), requires_grad=True), None, count=1)
