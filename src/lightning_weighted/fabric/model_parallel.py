@@ -18,7 +18,14 @@ from typing_extensions import override
 from lightning_weighted._counts import CountPayload
 from lightning_weighted.fabric._adapter import FabricAdapter
 from lightning_weighted.participation import Policy
-from lightning_weighted.reduce.sharded import ShardedReduceState, data_parallel_group, divide_gradients, reduce_with_sum
+from lightning_weighted.reduce.sharded import (
+    ShardedReduceState,
+    data_parallel_group,
+    divide_gradients,
+    empty_microbatch,
+    mesh_sizes,
+    reduce_with_sum,
+)
 
 __all__ = ["WeightedFabricModelParallelStrategy", "shard_each_child"]
 
@@ -118,12 +125,8 @@ class WeightedFabricModelParallelStrategy(FabricAdapter, ModelParallelStrategy):
     def setup_environment(self) -> None:
         # Lightning's "auto" is one data-parallel group per node; here every rank is data-parallel unless told.
         world = self.num_nodes * self.num_processes
-        data, tensor = self._data_parallel_size, self._tensor_parallel_size
-        if data == "auto":
-            data = world // (1 if tensor == "auto" else tensor)
-        if tensor == "auto":
-            tensor = max(world // data, 1)
-        self._data_parallel_size, self._tensor_parallel_size = data, tensor
+        sizes = mesh_sizes(world, self._data_parallel_size, self._tensor_parallel_size)
+        self._data_parallel_size, self._tensor_parallel_size = sizes
         super().setup_environment()
 
     @override
@@ -188,17 +191,8 @@ class WeightedFabricModelParallelStrategy(FabricAdapter, ModelParallelStrategy):
 
     @override
     def _zero_loss(self, loss: Tensor) -> Tensor:
-        # The backward must run (its all-gathers and reduce-scatters are collectives every rank takes part in);
-        # the gradient it computes, NaN for a fully masked mean, is zeroed on its way into the reduce-scatter.
-        if loss.grad_fn is None:
-            raise RuntimeError(
-                f"On rank {self.global_rank}, fabric.backward got a loss that is not attached to the graph. Under"
-                f" {self.strategy_name} every rank runs each microbatch's backward through the sharded model, whose"
-                " collectives the other ranks wait in: pass the loss of the model's forward (with `count=0` for a"
-                " microbatch that holds no item)."
-            )
-        self._reduce.empty = True
-        return loss.sum() * 0.0
+        source = f"On rank {self.global_rank}, fabric.backward got"
+        return empty_microbatch(self._reduce, loss, source, self.strategy_name)
 
 
 class _MarkWindow(_BackwardSyncControl):

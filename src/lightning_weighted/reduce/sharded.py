@@ -27,7 +27,7 @@ models (Fabric's, or a hand-written one).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -43,8 +43,10 @@ __all__ = [
     "ZeroingReduceScatter",
     "data_parallel_group",
     "divide_gradients",
+    "empty_microbatch",
     "flat_parameters",
     "fsdp2_modules",
+    "mesh_sizes",
     "reduce_with_sum",
     "weighted_reduce_scatter_hook",
     "zero_gradients",
@@ -159,6 +161,39 @@ def data_parallel_group(mesh: Any, dims: str | Sequence[str] = "data_parallel") 
     submesh = mesh[names[0]] if len(names) == 1 else mesh[names]._flatten()
     group: dist.ProcessGroup = submesh.get_group()
     return group
+
+
+def mesh_sizes(world: int, data: int | Literal["auto"], tensor: int | Literal["auto"]) -> tuple[int, int]:
+    """``(data_parallel_size, tensor_parallel_size)``: every rank data-parallel unless told otherwise.
+
+    Lightning's own ``"auto"`` is one data-parallel rank per node; here it is what the other size leaves.
+
+    Example::
+
+        >>> mesh_sizes(8, "auto", "auto"), mesh_sizes(8, "auto", 2), mesh_sizes(8, 2, "auto")
+        ((8, 1), (4, 2), (2, 4))
+    """
+    if data == "auto":
+        data = world // (1 if tensor == "auto" else tensor)
+    return data, max(world // data, 1) if tensor == "auto" else tensor
+
+
+def empty_microbatch(state: ShardedReduceState, loss: Tensor | None, source: str, strategy: str) -> Tensor:
+    """``0 · loss``, whose backward (NaN for a fully masked mean) reaches the reduction as exact zeros.
+
+    Sets ``state.empty``; the caller clears it once the backward has run. The backward must run: its all-gathers
+    and reduce-scatters are collectives every rank takes part in, so a loss without a graph (``source`` says whose,
+    as in ``"On rank 1, training_step returned"``) raises here, and the peers fail as this rank's connections close.
+    """
+    if loss is None or loss.grad_fn is None:
+        what = "None" if loss is None else "a loss that is not attached to the graph"
+        raise RuntimeError(
+            f"{source} {what}. Under {strategy} every rank runs each microbatch's backward through the sharded"
+            " model, whose collectives the other ranks wait in: give the loss of the model's forward (with a count"
+            " of 0 for a microbatch that holds no item)."
+        )
+    state.empty = True
+    return loss.sum() * 0.0
 
 
 def fsdp2_modules(module: nn.Module) -> list[nn.Module]:

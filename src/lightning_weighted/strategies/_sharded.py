@@ -10,7 +10,7 @@ from typing_extensions import override
 
 from lightning_weighted._counts import CountPayload
 from lightning_weighted.participation import Policy
-from lightning_weighted.reduce.sharded import ShardedReduceState, divide_gradients
+from lightning_weighted.reduce.sharded import ShardedReduceState, divide_gradients, empty_microbatch
 from lightning_weighted.strategies._trainer import TrainerAdapter
 from lightning_weighted.window import LossScale
 
@@ -49,22 +49,8 @@ class ShardedAdapter(TrainerAdapter):
 
     @override
     def _zero_loss(self, loss: Tensor | None) -> Tensor:
-        """The microbatch's own graph, run with its gradient zeroed on the way into the reduction.
-
-        Its backward must run: its all-gathers and reduce-scatters are collectives every rank takes part in. A
-        ``training_step`` that returned no loss, or one without a graph, leaves this rank nothing to run it with:
-        it raises here, and its peers fail as its connections close.
-        """
-        if loss is None or loss.grad_fn is None:
-            what = "None" if loss is None else "a loss that is not attached to the graph"
-            raise RuntimeError(
-                f"On rank {self.global_rank}, training_step returned {what}. Under {self.strategy_name} every rank"
-                " must run each microbatch's backward through the sharded model, whose collectives the other ranks"
-                " wait in. Return the loss of the model's forward (with `'count': 0` for a microbatch that holds no"
-                " item)."
-            )
-        self._reduce.empty = True
-        return loss.sum() * 0.0
+        source = f"On rank {self.global_rank}, training_step returned"
+        return empty_microbatch(self._reduce, loss, source, self.strategy_name)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:

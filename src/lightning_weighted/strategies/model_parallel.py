@@ -13,7 +13,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
 from lightning_weighted.participation import Policy
-from lightning_weighted.reduce.sharded import FP16_FIX, data_parallel_group, reduce_with_sum
+from lightning_weighted.reduce.sharded import FP16_FIX, data_parallel_group, mesh_sizes, reduce_with_sum
 from lightning_weighted.strategies._sharded import ShardedAdapter
 
 __all__ = ["WeightedModelParallelStrategy"]
@@ -89,7 +89,7 @@ class WeightedModelParallelStrategy(ShardedAdapter, ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         world = self.num_nodes * self.num_processes
-        sizes = _mesh_sizes(world, self._data_parallel_size, self._tensor_parallel_size)
+        sizes = mesh_sizes(world, self._data_parallel_size, self._tensor_parallel_size)
         self._data_parallel_size, self._tensor_parallel_size = sizes
         super().setup_environment()
 
@@ -107,18 +107,3 @@ class WeightedModelParallelStrategy(ShardedAdapter, ModelParallelStrategy):
     @override
     def _count_group(self) -> dist.ProcessGroup | None:
         return self._data_parallel_group
-
-
-def _mesh_sizes(world: int, data: int | Literal["auto"], tensor: int | Literal["auto"]) -> tuple[int, int]:
-    """``(data_parallel_size, tensor_parallel_size)``: every rank data-parallel unless told otherwise.
-
-    Lightning's own ``"auto"`` is one data-parallel rank per node; here it is what the other size leaves.
-
-    Example::
-
-        >>> _mesh_sizes(8, "auto", "auto"), _mesh_sizes(8, "auto", 2), _mesh_sizes(8, 2, "auto")
-        ((8, 1), (4, 2), (2, 4))
-    """
-    if data == "auto":
-        data = world // (1 if tensor == "auto" else tensor)
-    return data, max(world // data, 1) if tensor == "auto" else tensor
