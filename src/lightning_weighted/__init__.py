@@ -9,6 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_weighted.audit import AuditReport, ObjectiveAudit, ObjectiveMismatchError, is_replaying
 from lightning_weighted.counting import ItemCounter, count_examples, count_tokens, count_weights
+from lightning_weighted.lookahead import BatchCounter
 from lightning_weighted.participation import UnpaddedDistributedSampler
 from lightning_weighted.reduce.ddp_hook import WeightedReduceState, weighted_allreduce_hook
 from lightning_weighted.strategies import WeightedDDPStrategy
@@ -16,6 +17,7 @@ from lightning_weighted.window import LossScale, Window, WindowResult
 
 __all__ = [
     "AuditReport",
+    "BatchCounter",
     "ItemCounter",
     "LossScale",
     "ObjectiveAudit",

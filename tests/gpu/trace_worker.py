@@ -1,0 +1,83 @@
+"""The worked trace (`examples/worked_trace.py`) trained for one step on CUDA or CPU; every rank saves `w`.
+
+World size 1: both microbatches `[9, 9]` and `[7] * 6` form one accumulation window on rank 0 (NCCL on CUDA).
+World size 2: one microbatch per rank (gloo, both ranks on `cuda:0` on CUDA: NCCL refuses two ranks on one GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy
+from worked_trace import TARGETS, WorkedTrace
+from worker import rank_arguments
+
+import lightning_weighted
+
+
+@dataclasses.dataclass
+class Config:
+    device: str = "cpu"  # cpu | cuda
+    world_size: int = 2
+    strategy: str = "ddp_weighted"  # ddp_weighted | ddp
+    counter: bool = False  # an ItemCounter counts examples ahead (training_step's count must agree)
+
+
+def strategy_for(name: str, device: str, world_size: int) -> DDPStrategy:
+    """One GPU holds every rank: NCCL for one rank, gloo on CUDA tensors for several (as on CPU)."""
+    cuda = device == "cuda"
+    cls = lightning_weighted.WeightedDDPStrategy if name == "ddp_weighted" else DDPStrategy
+    return cls(
+        parallel_devices=[torch.device("cuda", 0) if cuda else torch.device("cpu")] * world_size,
+        process_group_backend="nccl" if cuda and world_size == 1 else "gloo",
+        timeout=timedelta(seconds=60),
+    )
+
+
+class Report(Callback):
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        record = {
+            "backend": torch.distributed.get_backend(),
+            "device": str(next(pl_module.parameters()).device),
+            "counts_ahead": getattr(trainer.strategy, "counts_ahead", None),
+            "w": float(pl_module.w.detach().cpu()),
+            "steps": trainer.global_step,
+        }
+        Path(f"{self.out}.rank{trainer.global_rank}").write_text(json.dumps(record))
+
+
+def main() -> None:
+    args = rank_arguments()
+    config = Config(**json.loads(args.config))
+    torch.set_float32_matmul_precision("highest")
+    alone = config.world_size == 1
+    microbatches = {0: list(TARGETS.values())} if alone else {rank: [t] for rank, t in TARGETS.items()}
+    callbacks: list[Callback] = [Report(args.out)]
+    if config.counter:
+        callbacks.append(lightning_weighted.ItemCounter("examples", log=False))
+    trainer = Trainer(
+        strategy=strategy_for(config.strategy, config.device, config.world_size),
+        accelerator=config.device,
+        devices=1,  # the device list comes from `parallel_devices`
+        max_steps=1,
+        accumulate_grad_batches=2 if alone else 1,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(WorkedTrace(microbatches))
+
+
+if __name__ == "__main__":
+    main()
