@@ -15,6 +15,7 @@ import resource
 import time
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -112,42 +113,62 @@ class AheadStep(RawStep):
     carry = True  # the handover rides in the gradients' bucket; otherwise its own float64 all-reduce
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        # DDP's forward returns the loss, as Lightning's `training_step` through DDP does: the carrier adds to it
         dtype = next(model.parameters()).dtype
-        self.carrier = Carrier(model, dtype, CPU, self.world_size) if self.carry else None
-        return self.carrier or model
+        self.carrier = Carrier(_MeanLoss(model), dtype, CPU, self.world_size) if self.carry else None
+        return self.carrier or _MeanLoss(model)
 
     def feed(self, data: Sequence[Sequence[Batch]]) -> None:
-        self.ahead = WindowsAhead(_BatchCounter(), Participation(), self.world_size)
+        size = self.accumulate  # no epochs here: every window is A microbatches
+        self.ahead = WindowsAhead(_BatchCounter(), Participation(), self.world_size, lambda _: size, _START)
         self.stream = self.ahead.lookahead.iterate(iter(BatchStream([b for window in data for b in window])))
 
     def step(self, window: Iterator[Batch]) -> None:
-        handover: Any = None
         for micro in range(self.accumulate):
             batch = next(self.stream)
-            current = self.ahead.begin_batch(self.accumulate - micro, _sum_now)
+            current = self.ahead.begin_batch(micro)
             sync = micro == self.accumulate - 1
             if self.carrier is not None:
-                self.carrier.active = sync
+                self.carrier.arm(sync)
             with self.sync_context(micro):
-                loss = local_mean(self.ddp, batch)
+                loss = self.ddp(batch)
                 factor = current.add(self.ahead.count, loss)
                 if sync:
-                    values, share = current.handover(self.ahead.plan_following(self.accumulate), True)
+                    values, share = current.handover(self.ahead.plan_following(micro), True)
                     if self.carrier is not None:
                         self.carrier.load(values, share)
                     else:
-                        handover = start_sum(values, CPU, share)
-                (loss * factor if factor else zero_loss(loss, self.model)).backward()
-        if self.carrier is not None:
-            summed = self.carrier.read()
-        else:
-            handover[1].wait()
-            summed = handover[0].tolist()
-        done, payload = self.ahead.end_window(summed)
+                        self.handover = start_sum(values, CPU, share)
+                zero = isinstance(factor, float) and factor == 0
+                (zero_loss(loss, self.model) if zero else loss * factor).backward()
+        done, payload = self.ahead.end_window(self.read)
         if done.finish(payload).items == 0:
             self.optimizer.zero_grad(set_to_none=True)
             return
         self.finish()
+
+    def read(self, also: torch.Tensor | None) -> list[float]:
+        if self.carrier is not None:
+            summed = self.carrier.read(also)
+            assert summed is not None
+            return summed
+        values, work = self.handover
+        work.wait()
+        return (values if also is None else torch.cat([values, also.double().reshape(1)])).tolist()
+
+
+_START = partial(start_sum, device=CPU)
+
+
+class _MeanLoss(torch.nn.Module):
+    """The model's mean loss over a batch's valid items as its forward (what ``training_step`` returns)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        return local_mean(self.model, batch)
 
 
 class AheadSeparateStep(AheadStep):
@@ -166,12 +187,6 @@ class _BatchCounter:
 
     def count_of(self, batch: Batch) -> torch.Tensor:
         return batch[2].sum()
-
-
-def _sum_now(items: float) -> float:
-    total = torch.tensor([items], dtype=torch.float64)
-    dist.all_reduce(total)
-    return float(total.item())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -211,14 +226,22 @@ class CarrierOnlyStep(ScaleOnlyStep):
     name = "carrier_fixed"
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        self.carrier = Carrier(model, next(model.parameters()).dtype, CPU, self.world_size)
+        self.carrier = Carrier(_MeanLoss(model), next(model.parameters()).dtype, CPU, self.world_size)
         return self.carrier
 
     def step(self, window: Iterator[Batch]) -> None:
-        self.carrier.active = True  # every microbatch of A = 1; for A > 1 only the last reaches the reducer anyway
-        self.carrier.load([0.0, 0.0, 1.0, 0.0])
-        super().step(window)
+        batches = list(window)
+        counts = [float(b[2].sum()) for b in batches]
+        total = self.world_size * sum(counts) or 1.0
+        for micro, batch in enumerate(batches):
+            sync = micro == self.accumulate - 1
+            self.carrier.arm(sync)
+            with self.sync_context(micro):
+                if sync:
+                    self.carrier.load([0.0, 0.0, 1.0, 0.0])
+                (self.ddp(batch) * (self.world_size * counts[micro] / total)).backward()
         self.carrier.read()
+        self.finish()
 
 
 VARIANTS: dict[str, type[RawStep]] = {

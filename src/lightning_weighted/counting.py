@@ -148,6 +148,7 @@ class ItemCounter(Callback):
         self._loss_epoch = MeanMetric(sync_on_compute=False)  # its inputs are already global
         self._last_step: int | None = None
         self._started: float | None = None  # when the window in progress began
+        self._receiver: CountReceiver | None = None  # the strategy, from `setup`
 
     def count_of(self, batch: Any) -> int | float | Tensor:
         """The count of one microbatch, as the chosen preset or function defines it."""
@@ -162,27 +163,27 @@ class ItemCounter(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if not isinstance(trainer.strategy, CountReceiver):
+        if not isinstance(trainer.strategy, CountReceiver):  # checked once: a Protocol check is slow per batch
             raise ValueError(
                 f"ItemCounter supplies counts to a weighted strategy (`strategy='ddp_weighted'`), but the Trainer"
                 f" uses {type(trainer.strategy).__name__}. Pass `strategy='ddp_weighted'` or drop the callback."
             )
         self._loss_epoch = self._loss_epoch.to(pl_module.device)
+        self._receiver = trainer.strategy
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        assert isinstance(trainer.strategy, CountReceiver)
+        receiver = self._strategy(trainer)
         if self._started is None:
             self._started = time.perf_counter()
-        if not trainer.strategy.counts_ahead:  # otherwise counted on the host as the loader yielded it
-            trainer.strategy.supply_count(self.count_of(batch), integer=self.integer)
+        if not receiver.counts_ahead:  # otherwise counted on the host as the loader yielded it
+            receiver.supply_count(self.count_of(batch), integer=self.integer)
 
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        assert isinstance(trainer.strategy, CountReceiver)
-        window = trainer.strategy.last_window
+        window = self._strategy(trainer).last_window
         if window is None or window.step == self._last_step:
             return  # no optimizer step ended with this batch
         self._last_step = window.step
@@ -201,6 +202,11 @@ class ItemCounter(Callback):
             logged["train/imbalance"] = _imbalance(window.local_items, window.items, pl_module.device)
         pl_module.log_dict(shown, prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
         pl_module.log_dict(logged, on_step=True, on_epoch=False, batch_size=1)
+
+    def _strategy(self, trainer: Trainer) -> CountReceiver:
+        """The strategy, as `setup` found it (checking the Protocol again on every batch would be slow)."""
+        receiver = self._receiver if self._receiver is not None else trainer.strategy
+        return receiver  # type: ignore[return-value]
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -97,8 +97,8 @@ class Window:
     def __init__(self, scale: LossScale = LossScale.ITEM_SUM) -> None:
         self.scale = scale
         self.items = 0.0
-        self.reference = 1.0 if scale is LossScale.ITEM_SUM else 0.0  # c_r; 0 until known
-        self.total: float | None = None  # N, once received (GLOBAL_MEAN)
+        self.reference: float | Tensor = 1.0 if scale is LossScale.ITEM_SUM else 0.0  # c_r; 0 until known
+        self.total: float | Tensor | None = None  # N, once received (GLOBAL_MEAN)
         self.problem: tuple[CountProblem, float] | None = None
         self._losses: list[tuple[Tensor, float]] = []  # (loss, n or 1) per weighted microbatch, kept on the device
 
@@ -107,12 +107,19 @@ class Window:
         for count in counts:
             self._record(count)
 
-    def receive(self, items: float, ranks: int) -> None:
-        """Takes ``N``, the SUM of the planned counts over the ``ranks`` ranks that average the gradients."""
-        self.total, self.reference = items, (items if items > 0 else 1.0) / ranks  # N = 0: every factor is 0
+    def receive(self, items: float | Tensor, ranks: int) -> None:
+        """Takes ``N``, the SUM of the planned counts over the ``ranks`` ranks that average the gradients.
 
-    def add(self, count: Count, loss: Tensor | None = None, item_sum: bool = False) -> float:
-        """Records one microbatch; returns the factor its loss is multiplied by (0: it contributes nothing).
+        ``N`` may still be on the device (a 0-dim tensor): the factors are then tensors too, and nothing is read.
+        """
+        self.total = items
+        if isinstance(items, Tensor):
+            self.reference = torch.where(items > 0, items, torch.ones_like(items)) / ranks
+        else:
+            self.reference = (items if items > 0 else 1.0) / ranks  # N = 0: every factor is 0 anyway
+
+    def add(self, count: Count, loss: Tensor | None = None, item_sum: bool = False) -> float | Tensor:
+        """Records one microbatch; returns the factor its loss is multiplied by (0.0: it contributes nothing).
 
         Args:
             count: the microbatch's count (under ``GLOBAL_MEAN`` the planned one, or its problem); an invalid one is
@@ -182,9 +189,12 @@ class Window:
             The handover, and this rank's share of the window's loss (``Σ n·loss / N``, on the device), which
             belongs in its loss slot.
         """
-        share = self.loss_sum
-        if share is not None and self.total:
-            share = share / self.total
+        share: Tensor | None = None
+        total = self.total
+        assert total is not None, "the window's planned counts were not summed: call `Window.receive` first"
+        for loss, as_sum in self._losses:  # N > 0 here: the microbatch was weighted
+            part = (loss if loss.dim() == 0 else loss.sum()) * (as_sum / total)
+            share = part if share is None else share + part
         return [following, float(self.problem is not None), float(more), 0.0], share
 
     def finish(self, summed: Sequence[float], step: int = 0) -> WindowResult:

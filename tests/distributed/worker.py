@@ -73,6 +73,12 @@ class Recorder(Callback):
         self.spy.active = False
         self.batches.append((trainer.global_step, float(batch[2].sum())))  # the items of this batch, by step
         self.spy.mark, self.spy.active = (trainer.global_step, len(self.batches) - 1), self.config.host_reads
+        if self.config.sync_debug and trainer.global_step >= 2:  # past DDP's bucket rebuild, which reads once
+            torch.cuda.set_sync_debug_mode("error")  # any device synchronisation from here raises
+
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.config.sync_debug:
+            torch.cuda.set_sync_debug_mode("default")
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         self.padding.append(bool(getattr(trainer.strategy, "padding_step", False)))
@@ -136,7 +142,15 @@ def make_strategy(config: Config) -> Any:
         kwargs["carry_counts"] = False
     start_method = config.strategy.removeprefix("ddp_weighted" if weighted else "ddp").lstrip("_") or "popen"
     cls = lightning_weighted.WeightedDDPStrategy if weighted else DDPStrategy
-    return cls(start_method=start_method, **kwargs)
+    return cls(start_method=start_method, **device_kwargs(config.device, config.world_size), **kwargs)
+
+
+def device_kwargs(device: str, world_size: int) -> dict[str, Any]:
+    """One GPU holds every rank: NCCL for one rank, gloo on CUDA tensors for several (NCCL refuses two per GPU)."""
+    if device != "cuda":
+        return {}
+    backend = "nccl" if world_size == 1 else "gloo"
+    return {"parallel_devices": [torch.device("cuda", 0)] * world_size, "process_group_backend": backend}
 
 
 def make_counter(config: Config) -> Callback:
@@ -183,8 +197,8 @@ def main() -> None:
         logger = CSVLogger(f"{args.out}.logs", name="", version="")
     trainer = Trainer(
         strategy=make_strategy(config),
-        accelerator="cpu",
-        devices=config.world_size,
+        accelerator=config.device,
+        devices=1 if config.device == "cuda" else config.world_size,  # on CUDA the list is `parallel_devices`
         max_epochs=config.epochs,
         accumulate_grad_batches=1 if config.schedule is not None else config.accumulate,
         precision=config.precision,  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from worked_trace import TARGETS, WorkedTrace
-from worker import rank_arguments
+from worker import device_kwargs, rank_arguments
 
 import lightning_weighted
 
@@ -29,14 +29,8 @@ class Config:
 
 
 def strategy_for(name: str, device: str, world_size: int) -> DDPStrategy:
-    """One GPU holds every rank: NCCL for one rank, gloo on CUDA tensors for several (as on CPU)."""
-    cuda = device == "cuda"
     cls = lightning_weighted.WeightedDDPStrategy if name == "ddp_weighted" else DDPStrategy
-    return cls(
-        parallel_devices=[torch.device("cuda", 0) if cuda else torch.device("cpu")] * world_size,
-        process_group_backend="nccl" if cuda and world_size == 1 else "gloo",
-        timeout=timedelta(seconds=60),
-    )
+    return cls(**device_kwargs(device, world_size), timeout=timedelta(seconds=60))
 
 
 class Report(Callback):
@@ -66,7 +60,7 @@ def main() -> None:
     trainer = Trainer(
         strategy=strategy_for(config.strategy, config.device, config.world_size),
         accelerator=config.device,
-        devices=1,  # the device list comes from `parallel_devices`
+        devices=1 if config.device == "cuda" else config.world_size,  # on CUDA the list is `parallel_devices`
         max_steps=1,
         accumulate_grad_batches=2 if alone else 1,
         callbacks=callbacks,

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
-from trace_worker import strategy_for
-from worker import rank_arguments
+from worker import device_kwargs, rank_arguments
 
 import lightning_weighted
 
@@ -99,8 +99,9 @@ def fit(config: Config, strategy: str, data: list[dict[str, torch.Tensor]]) -> f
     callbacks: list[Callback] = [clock]
     if strategy == "ddp_weighted":
         callbacks.append(lightning_weighted.ItemCounter("tokens", key="labels", log=False))
+    cls = lightning_weighted.WeightedDDPStrategy if strategy == "ddp_weighted" else DDPStrategy
     trainer = Trainer(
-        strategy=strategy_for(strategy, config.device, 1),
+        strategy=cls(**device_kwargs(config.device, 1)),
         accelerator=config.device,
         devices=1,
         precision=config.precision,  # type: ignore[arg-type]

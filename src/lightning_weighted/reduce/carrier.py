@@ -8,11 +8,12 @@ summed, whether the rank has more data, its share of the loss) rides in the grad
 parameter, reduced in the same bucket all-reduce as the model's gradients: no collective of its own, no Python in
 the reduction.
 
-DDP multiplies every gradient by :math:`1/P` and SUMs it. The count therefore travels as bits of a fixed-point
-number (:math:`2^{-24}` apart), each sent as :math:`P \cdot b`: the product with the rounded :math:`1/P` comes
-back to :math:`b` within a rounding error, the SUM of :math:`P` bits stays an exact small integer, and the decoder
-rounds. That is exact where :func:`fits` says so (bf16 to 256 ranks, fp16 to 2048, fp32 to 1024 or any power of
-two to :math:`2^{20}`); elsewhere the handover takes its own float64 all-reduce.
+DDP multiplies every gradient by :math:`1/P` and SUMs it. The count therefore travels as the digits of a
+fixed-point number (:math:`2^{-24}` apart), each sent as :math:`P \cdot d`: the product with the rounded :math:`1/P`
+comes back to :math:`d` within a rounding error, the SUM of :math:`P` digits stays a small integer within less than
+one half, and the decoder rounds. Digits are 8 bits wide in fp64 gradients, 4 in fp32, 1 in bf16 and fp16 (13, 23
+and 80 values in all), exact where :func:`fits` says so (fp32 to 512 ranks or any power of two to :math:`2^{20}`,
+bf16 to 256, fp16 to 2048); elsewhere the handover takes its own float64 all-reduce.
 """
 
 from __future__ import annotations
@@ -25,53 +26,69 @@ from torch import Tensor, nn
 
 from lightning_weighted._counts import Handover
 
-__all__ = ["WIDTH", "Carrier", "decode", "encode", "fits"]
+__all__ = ["Carrier", "decode", "encode", "fits", "width"]
 
 _FRACTION = 24  # bits after the point: weight sums travel to 2**-24 per rank
 _BITS = 53 + _FRACTION  # a rank's window count stays below 2**53 (`_counts.MAX_ITEMS`)
-_INVALID, _MORE, _LOSS = _BITS, _BITS + 1, _BITS + 2
-WIDTH = _BITS + 3
-_LIMITS = {torch.float64: 2**20, torch.float32: 1024, torch.bfloat16: 256, torch.float16: 2048}
+# gradient dtype -> (bits per digit, most ranks: (P + 2)·P·(2**bits − 1) stays below half an ulp's reach, 2**-1/u)
+_DIGITS = {torch.float64: (8, 2**20), torch.float32: (4, 512), torch.bfloat16: (1, 256), torch.float16: (1, 2048)}
+_TAIL = 3  # INVALID, MORE, LOSS after the digits
 
 
 def fits(dtype: torch.dtype, ranks: int) -> bool:
     """Whether a handover survives DDP's average over ``ranks`` ranks exactly in a gradient of ``dtype``.
 
+    With a power of two of ranks the rounded :math:`1/P` is exact, and so is everything after it.
+
     Example::
 
-        >>> fits(torch.float32, 8), fits(torch.bfloat16, 512), fits(torch.float32, 4096)
-        (True, False, True)
+        >>> fits(torch.float32, 8), fits(torch.bfloat16, 512), fits(torch.float32, 4096), fits(torch.float32, 768)
+        (True, False, True, False)
     """
-    limit = _LIMITS.get(dtype, 0)
+    limit = _DIGITS.get(dtype, (0, 0))[1]
     power_of_two = ranks & (ranks - 1) == 0 and dtype in (torch.float32, torch.float64)
     return 0 < ranks <= limit or (power_of_two and ranks <= 2**20)
 
 
-def encode(handover: Sequence[float], ranks: int) -> list[float]:
+def width(dtype: torch.dtype) -> int:
+    """How many values the carrier holds in a gradient of ``dtype`` (23 in fp32).
+
+    Example::
+
+        >>> width(torch.float32), width(torch.bfloat16)
+        (23, 80)
+    """
+    return -(-_BITS // _DIGITS[dtype][0]) + _TAIL
+
+
+def encode(handover: Sequence[float], ranks: int, bits: int = 1) -> list[float]:
     """This rank's handover (indexed by :class:`~lightning_weighted._counts.Handover`) as the carrier's gradient.
 
-    Example (``N = 5.5`` and the "more data" flag, over 2 ranks)::
+    Example (``N = 5.5`` and the "more data" flag, over 2 ranks, 4-bit digits)::
 
-        >>> values = encode([5.5, 0.0, 1.0, 0.0], ranks=2)
-        >>> [values[k] for k in (23, 24, 26)], values[-3:]
-        ([2.0, 2.0, 2.0], [0.0, 2.0, 0.0])
+        >>> values = encode([5.5, 0.0, 1.0, 0.0], ranks=2, bits=4)
+        >>> values[4:8], values[-3:]  # 5.5 · 2**24 = 0x580_0000: hexadecimal digits 8 and 5, times P
+        ([0.0, 16.0, 10.0, 0.0], [0.0, 2.0, 0.0])
     """
-    fixed = round(handover[Handover.ITEMS] * 2**_FRACTION)
-    values = [float(ranks * ((fixed >> place) & 1)) for place in range(_BITS)]
-    return [*values, ranks * handover[Handover.INVALID], ranks * handover[Handover.MORE], handover[Handover.LOSS]]
+    fixed, mask = round(handover[Handover.ITEMS] * 2**_FRACTION), (1 << bits) - 1
+    digits = [float(ranks * ((fixed >> shift) & mask)) for shift in range(0, _BITS, bits)]
+    return [*digits, ranks * handover[Handover.INVALID], ranks * handover[Handover.MORE], handover[Handover.LOSS]]
 
 
-def decode(received: Sequence[float], ranks: int) -> list[float]:
+def decode(received: Sequence[float], ranks: int, bits: int = 1) -> list[float]:
     """The SUM of every rank's handover from the carrier's averaged gradient.
 
     Example (two ranks sent ``N = 5.5`` and ``2``; the gradient is their average)::
 
-        >>> sent = [encode([n, 0.0, 1.0, 0.25], ranks=2) for n in (5.5, 2.0)]
-        >>> decode([(a + b) / 2 for a, b in zip(*sent)], ranks=2)
+        >>> sent = [encode([n, 0.0, 1.0, 0.25], ranks=2, bits=4) for n in (5.5, 2.0)]
+        >>> decode([(a + b) / 2 for a, b in zip(*sent)], ranks=2, bits=4)
         [7.5, 0, 2, 0.5]
     """
-    fixed = sum(round(value) << place for place, value in enumerate(received[:_BITS]))
-    return [fixed / 2**_FRACTION, round(received[_INVALID]), round(received[_MORE]), received[_LOSS] * ranks]
+    *digits, invalid, more, loss = received
+    fixed = 0
+    for value in reversed(digits):
+        fixed = (fixed << bits) + round(value)
+    return [fixed / 2**_FRACTION, round(invalid), round(more), loss * ranks]
 
 
 class Carrier(nn.Module):
@@ -92,8 +109,8 @@ class Carrier(nn.Module):
     def __init__(self, module: nn.Module, dtype: torch.dtype, device: torch.device, ranks: int) -> None:
         super().__init__()
         self.module = module
-        self.rider = nn.Parameter(torch.zeros(WIDTH, dtype=dtype, device=device))
-        self.ranks = ranks
+        self.rider = nn.Parameter(torch.zeros(width(dtype), dtype=dtype, device=device))
+        self.ranks, self.bits = ranks, _DIGITS[dtype][0]
         self.active = False
         self._sent: Tensor | None = None
         self.rider.register_hook(self._carry)  # type: ignore[no-untyped-call]
@@ -111,6 +128,10 @@ class Carrier(nn.Module):
                 return {**output, "loss": loss + self.term(loss.dtype)}
         return output
 
+    def arm(self, active: bool) -> None:
+        """Sets :attr:`active` (every microbatch: around ``nn.Module.__setattr__``, which checks every registry)."""
+        self.__dict__["active"] = active
+
     def term(self, dtype: torch.dtype | None = None) -> Tensor:
         """Zero, computed from the rider: added to a loss, it brings the rider into the backward."""
         total = self.rider.sum()
@@ -118,18 +139,27 @@ class Carrier(nn.Module):
 
     def load(self, handover: Sequence[float], loss: Tensor | None = None) -> None:
         """Sets what the rider's gradient carries in the next backward; ``loss`` (on the device) fills the loss slot."""
-        values = torch.tensor(encode(handover, self.ranks), dtype=self.rider.dtype)
-        if self.rider.device.type == "cuda":
-            values = values.pin_memory()  # a pinned, non-blocking copy keeps the host from waiting
-        values = values.to(self.rider.device, non_blocking=True)
+        rider = self.rider
+        values = torch.tensor(encode(handover, self.ranks, self.bits), dtype=rider.dtype)
+        if rider.device.type != "cpu":
+            values = values.pin_memory().to(rider.device, non_blocking=True)  # the host does not wait
         if loss is not None:
-            values[_LOSS] += loss.to(values.dtype)
+            values[-1] = loss  # the loss slot; cast to the gradients' dtype as it is stored
         self._sent = values
 
-    def read(self) -> list[float] | None:
-        """The SUM over the ranks of what they loaded (one host read), or ``None`` if no backward reached the rider."""
-        grad, self.rider.grad, self._sent = self.rider.grad, None, None
-        return None if grad is None else decode(grad.tolist(), self.ranks)
+    def read(self, also: Tensor | None = None) -> list[float] | None:
+        """The SUM over the ranks of what they loaded, with ``also`` (a 0-dim tensor) appended: one host read.
+
+        ``None`` if no backward reached the rider.
+        """
+        rider = self.rider
+        grad, rider.grad, self._sent = rider.grad, None, None
+        if grad is None:
+            return None
+        if also is None:
+            return decode(grad.tolist(), self.ranks, self.bits)
+        *received, appended = torch.cat([grad.double(), also.double().reshape(1)]).tolist()
+        return [*decode(received, self.ranks, self.bits), appended]
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
+import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import ParallelStrategy
@@ -65,7 +67,7 @@ class TrainerAdapter(ParallelStrategy):
         self._loaders = FitLoaders(self._participation)
         self._ahead: WindowsAhead | None = None  # where counts ahead are possible
         self._window: Window | None = None
-        self._factor = 0.0  # the current microbatch's loss multiplier
+        self._factor: float | Tensor = 0.0  # the current microbatch's loss multiplier
         self._supplied: tuple[object, bool] | None = None  # the next microbatch's count, from `ItemCounter`
         self._ends_window = False  # inside `optimizer_step`: the next backward ends the window
         self._batch_idx = 0
@@ -109,12 +111,15 @@ class TrainerAdapter(ParallelStrategy):
         """
         self._handover = start_sum(handover, self.root_device, share)
 
-    def _handed_over(self) -> list[float]:
-        """The SUM of every rank's handover on the host (one read), after the backward that ends the window."""
+    def _handed_over(self, also: Tensor | None = None) -> list[float]:
+        """The SUM of every rank's handover after the backward that ends the window, on the host (one read).
+
+        ``also``, a 0-dim tensor on the device, is read along and appended.
+        """
         assert self._handover is not None
         (summed, work), self._handover = self._handover, None
         work.wait()
-        values: list[float] = summed.tolist()
+        values: list[float] = (summed if also is None else torch.cat([summed, also.double().reshape(1)])).tolist()
         return values
 
     # ------------------------------------------------------------------------------------------- Lightning hooks
@@ -130,7 +135,8 @@ class TrainerAdapter(ParallelStrategy):
         counter = next((c for c in trainer.callbacks if isinstance(c, BatchCounter)), None)  # type: ignore[attr-defined]
         fetches_itself = is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True)
         if counter is not None and self._averages() and not fetches_itself:
-            self._ahead = WindowsAhead(counter, self._participation, self.world_size)
+            start = partial(start_sum, device=self.root_device)
+            self._ahead = WindowsAhead(counter, self._participation, self.world_size, self._window_size, start)
             self._loaders.lookahead = self._ahead.lookahead
         super().setup(trainer)
         # No Strategy hook fits either: Lightning ends an epoch only when the module's `on_train_batch_start`
@@ -208,7 +214,9 @@ class TrainerAdapter(ParallelStrategy):
         assert self.lightning_module is not None
         # Undo Lightning's `loss / accumulate_grad_batches`, then weight the microbatch.
         factor = self._factor * self.lightning_module.trainer.accumulate_grad_batches
-        if factor == 0:
+        if isinstance(factor, Tensor):  # on the device (an epoch's first window, counted ahead): never compared
+            closure_loss = closure_loss * factor
+        elif factor == 0:
             closure_loss = self._zero_loss(closure_loss)
         elif factor != 1:
             closure_loss = closure_loss * factor
@@ -216,9 +224,10 @@ class TrainerAdapter(ParallelStrategy):
             window = self._window or Window(self._loss_scale())
             more = self._participation.has_more()
             if self._ahead is not None and self.counts_ahead:
-                following = self._ahead.plan_following(self._window_size(self._batch_idx + 1))
+                following = self._ahead.plan_following(self._batch_idx)
                 self._hand_over(*window.handover(following, more))
             else:
+                assert isinstance(window.reference, float)  # riding windows never wait for their N
                 self._start_sync(window.payload(self.global_rank, more), window.reference)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
@@ -248,7 +257,7 @@ class TrainerAdapter(ParallelStrategy):
         assert self.lightning_module is not None
         step = self.lightning_module.trainer.global_step
         if self._ahead is not None and self.counts_ahead:
-            window, summed = self._ahead.end_window(self._handed_over())
+            window, summed = self._ahead.end_window(self._handed_over)
             self._window = self._ahead.window
             if summed[Slot.INVALID] > 0:  # which rank and which value: one more SUM, on every rank alike
                 summed = sum_counts(window.payload(self.global_rank, False), self.root_device).wait().tolist()
@@ -274,12 +283,6 @@ class TrainerAdapter(ParallelStrategy):
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         accumulate = trainer.accumulate_grad_batches
         return int(max(0, min(accumulate - batch_idx % accumulate, trainer.num_training_batches - batch_idx)))
-
-    def _sum_now(self, items: float) -> float:
-        """The SUM of ``items`` over the ranks, on the host: an epoch's first window, counted ahead."""
-        summed, work = start_sum([items], self.root_device)
-        work.wait()
-        return float(summed.item())
 
     def _notice(self, count: Count, supplied: tuple[object, bool] | None) -> None:
         if count.implicit and "implicit" not in self._said:
@@ -311,7 +314,7 @@ class TrainerAdapter(ParallelStrategy):
             self.padding_step = self._participation.begin_batch(batch_idx)
             self._batch_idx = batch_idx
             if self._ahead is not None and self.counts_ahead:
-                self._window = self._ahead.begin_batch(self._window_size(batch_idx), self._sum_now)
+                self._window = self._ahead.begin_batch(batch_idx)
             return hook(batch, batch_idx)
 
         return on_train_batch_start

@@ -184,7 +184,7 @@ class WeightedDDPStrategy(TrainerAdapter, DDPStrategy):
                 " the count reduction. Remove the join() context."
             )
         if self._carrier is not None:
-            self._carrier.active = self._ends_window  # the syncing microbatch's loss brings the rider along
+            self._carrier.arm(self._ends_window)  # the syncing microbatch's loss brings the rider along
         return super().training_step(*args, **kwargs)
 
     @override
@@ -228,10 +228,10 @@ class WeightedDDPStrategy(TrainerAdapter, DDPStrategy):
             self._carrier.load(handover, share)
 
     @override
-    def _handed_over(self) -> list[float]:
+    def _handed_over(self, also: Tensor | None = None) -> list[float]:
         if self._carrier is None:
-            return super()._handed_over()
-        summed = self._carrier.read()
+            return super()._handed_over(also)
+        summed = self._carrier.read(also)
         if summed is None:
             raise RuntimeError(_NO_RIDER)
         return summed
