@@ -110,9 +110,9 @@ def collectives_table(points: list[dict[str, Any]], level: str) -> str:
         "Counted over the last warm-up step. Plain DDP, ddp_weighted with counts ahead, post-hoc and pre-count reduce "
         "their buckets in DDP's C++ reducer, which a Python wrapper of `torch.distributed` never sees: their bucket "
         "counts and bytes come from DDP's logging data (`rebuilt_bucket_sizes`); with counts ahead one bucket holds "
-        "the carrier's gradient too (23 values in fp32, 80 in bf16). ddp_weighted with riding counts reduces its "
-        "buckets through its Python comm hook, counted by the wrapper (the payload is the flat bucket buffer). "
-        "Bytes are the payload of each call, not the 2(P−1)/P traffic of a ring."
+        "the carrier's gradient too (7 values in fp32, 14 in bf16, on 2 ranks). ddp_weighted with riding counts "
+        "reduces its buckets through its Python comm hook, counted by the wrapper (the payload is the flat bucket "
+        "buffer). Bytes are the payload of each call, not the 2(P−1)/P traffic of a ring."
     )
     if level == "trainer":
         note += (
@@ -389,9 +389,9 @@ def write_report(data: dict[str, Any], out: Path) -> None:
         "Inputs (defaults of `cost_model.Inputs`, with their sources in its docstring): o = 10 µs per call; "
         "α = 2 µs per NVLink hop (P = 8), 5 µs per InfiniBand hop (P > 8); 1/β = 360 GB/s within a node, "
         "45 GB/s per GPU across nodes (400 Gb/s NDR); HBM 3.35 TB/s for post-hoc's pass over the gradients. "
-        "With counts ahead each window's handover rides in the gradient all-reduce as the carrier's gradient (23 "
-        "values in fp32, 80 in bf16; no call) where it stays exact (`reduce.carrier.fits`: bf16 to 256 ranks, "
-        f"fp32 to 512 or any power of two), else in its own all-reduce of {HANDOVER_BYTES} bytes; riding counts "
+        "With counts ahead each window's handover rides in the gradient all-reduce as the carrier's gradient (7 to "
+        "80 values, by dtype and P; no call) where it stays exact (`reduce.carrier.fits`: bf16 to 256 ranks, "
+        f"fp32 to 1024 or any power of two), else in its own all-reduce of {HANDOVER_BYTES} bytes; riding counts "
         f"add {RIDE_BYTES} bytes to the first fp32 bucket, or an all-reduce of {COUNT_BYTES} bytes with bf16.",
         "",
         "The share column is an upper bound: it charges the counts in full against a step that holds nothing but "

@@ -10,10 +10,12 @@ the reduction.
 
 DDP multiplies every gradient by :math:`1/P` and SUMs it. The count therefore travels as the digits of a
 fixed-point number (:math:`2^{-24}` apart), each sent as :math:`P \cdot d`: the product with the rounded :math:`1/P`
-comes back to :math:`d` within a rounding error, the SUM of :math:`P` digits stays a small integer within less than
-one half, and the decoder rounds. Digits are 8 bits wide in fp64 gradients, 4 in fp32, 1 in bf16 and fp16 (13, 23
-and 80 values in all), exact where :func:`fits` says so (fp32 to 512 ranks or any power of two to :math:`2^{20}`,
-bf16 to 256, fp16 to 2048); elsewhere the handover takes its own float64 all-reduce.
+comes back to :math:`d` within a rounding error, the SUM of :math:`P` digits stays an integer within less than one
+half, and the decoder rounds. :func:`digit_bits` picks the widest digits that keep this exact for the gradients'
+dtype and :math:`P` (23 bits, 7 values in all, for fp32 on 2 ranks; 7 bits, 14 values, for bf16); where not even
+one bit does (bf16 beyond 256 ranks, fp16 beyond 2048, fp32 beyond about 2000 unless :math:`P` is a power of two),
+the handover takes its own float64 all-reduce. The loss share travels as a plain value of the gradients' dtype: in
+bf16 and fp16 the logged loss keeps a few significant digits.
 """
 
 from __future__ import annotations
@@ -26,39 +28,56 @@ from torch import Tensor, nn
 
 from lightning_weighted._counts import Handover
 
-__all__ = ["Carrier", "decode", "encode", "fits", "width"]
+__all__ = ["Carrier", "decode", "digit_bits", "encode", "fits", "width"]
 
 _FRACTION = 24  # bits after the point: weight sums travel to 2**-24 per rank
 _BITS = 53 + _FRACTION  # a rank's window count stays below 2**53 (`_counts.MAX_ITEMS`)
-# gradient dtype -> (bits per digit, most ranks: (P + 2)·P·(2**bits − 1) stays below half an ulp's reach, 2**-1/u)
-_DIGITS = {torch.float64: (8, 2**20), torch.float32: (4, 512), torch.bfloat16: (1, 256), torch.float16: (1, 2048)}
 _TAIL = 3  # INVALID, MORE, LOSS after the digits
+# the largest integer a gradient dtype holds exactly, and its unit roundoff
+_EXACT = {torch.float64: (2**53, 2.0**-53), torch.float32: (2**24, 2.0**-24),
+          torch.bfloat16: (2**8, 2.0**-8), torch.float16: (2**11, 2.0**-11)}  # fmt: skip
+
+
+def digit_bits(dtype: torch.dtype, ranks: int) -> int:
+    """The widest digits (in bits, at most 24) whose SUM over ``ranks`` ranks survives DDP's average exactly.
+
+    ``P·d`` and the SUM of ``P`` digits must be exact integers of ``dtype``. bf16 and fp16 products are computed in
+    fp32 and rounded back to the digit exactly; in fp32 and fp64 each product is within one rounding of ``d``, and
+    the SUM within :math:`(P + 2) P d u` of the digits' sum, kept below a quarter (a power of two of ranks makes
+    :math:`1/P`, and everything after it, exact). 0: the carrier cannot carry the count.
+
+    Example::
+
+        >>> digit_bits(torch.float32, 2), digit_bits(torch.bfloat16, 2), digit_bits(torch.bfloat16, 512)
+        (23, 7, 0)
+    """
+    largest, unit = _EXACT.get(dtype, (0, 1.0))
+    bound = largest // ranks  # P·d <= largest, and the SUM of P digits too
+    if dtype in (torch.float32, torch.float64) and ranks & (ranks - 1):  # not a power of two: rounding
+        bound = min(bound, int(0.25 / ((ranks + 2) * ranks * unit)))
+    return min(24, max(0, (bound + 1).bit_length() - 1))
 
 
 def fits(dtype: torch.dtype, ranks: int) -> bool:
     """Whether a handover survives DDP's average over ``ranks`` ranks exactly in a gradient of ``dtype``.
 
-    With a power of two of ranks the rounded :math:`1/P` is exact, and so is everything after it.
-
     Example::
 
-        >>> fits(torch.float32, 8), fits(torch.bfloat16, 512), fits(torch.float32, 4096), fits(torch.float32, 768)
+        >>> fits(torch.float32, 8), fits(torch.bfloat16, 512), fits(torch.float32, 4096), fits(torch.float32, 4095)
         (True, False, True, False)
     """
-    limit = _DIGITS.get(dtype, (0, 0))[1]
-    power_of_two = ranks & (ranks - 1) == 0 and dtype in (torch.float32, torch.float64)
-    return 0 < ranks <= limit or (power_of_two and ranks <= 2**20)
+    return digit_bits(dtype, ranks) > 0
 
 
-def width(dtype: torch.dtype) -> int:
-    """How many values the carrier holds in a gradient of ``dtype`` (23 in fp32).
+def width(dtype: torch.dtype, ranks: int) -> int:
+    """How many values the carrier holds in a gradient of ``dtype`` over ``ranks`` ranks.
 
     Example::
 
-        >>> width(torch.float32), width(torch.bfloat16)
-        (23, 80)
+        >>> width(torch.float32, 2), width(torch.bfloat16, 2), width(torch.float32, 1000)
+        (7, 14, 42)
     """
-    return -(-_BITS // _DIGITS[dtype][0]) + _TAIL
+    return -(-_BITS // digit_bits(dtype, ranks)) + _TAIL
 
 
 def encode(handover: Sequence[float], ranks: int, bits: int = 1) -> list[float]:
@@ -109,8 +128,8 @@ class Carrier(nn.Module):
     def __init__(self, module: nn.Module, dtype: torch.dtype, device: torch.device, ranks: int) -> None:
         super().__init__()
         self.module = module
-        self.rider = nn.Parameter(torch.zeros(width(dtype), dtype=dtype, device=device))
-        self.ranks, self.bits = ranks, _DIGITS[dtype][0]
+        self.rider = nn.Parameter(torch.zeros(width(dtype, ranks), dtype=dtype, device=device))
+        self.ranks, self.bits = ranks, digit_bits(dtype, ranks)
         self.active = False
         self._sent: Tensor | None = None
         self.rider.register_hook(self._carry)  # type: ignore[no-untyped-call]
