@@ -17,8 +17,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -303,76 +301,38 @@ def bucket_counts(ddp: nn.parallel.DistributedDataParallel) -> tuple[int, int]:
 # Process launching
 
 
+def launch(script: Path, args: Sequence[str], world_size: int, timeout: float) -> str:
+    """Runs ``script`` on ``world_size`` local ranks with ``torch.distributed.run`` under a hard timeout.
+
+    Returns the ranks' output. torchrun ends every rank when one fails; on the timeout the whole session is killed.
+    """
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(world_size),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--monitor-interval", "0.1",
+        str(script), *args,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise RuntimeError(f"{script.name} did not finish within {timeout:.0f}s\n{output[-8000:]}") from None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # nothing of the run outlives it
+    if process.returncode != 0:
+        raise RuntimeError(f"{script.name} {' '.join(args)[:300]} failed ({process.returncode})\n{output[-8000:]}")
+    return output
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def worker_env(rank: int, world_size: int, port: int) -> dict[str, str]:
-    return {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "WORLD_SIZE": str(world_size),
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "NODE_RANK": "0",
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONWARNINGS": "ignore",
-    }
-
-
-def launch(script: Path, args: Sequence[str], world_size: int, timeout: float) -> list[str]:
-    """Runs ``script`` on ``world_size`` local ranks under a hard timeout; returns each rank's output.
-
-    Each rank runs in its own session; on a timeout, or as soon as one rank fails, every process is killed.
-    """
-    port = free_port()
-    logs = [tempfile.TemporaryFile(mode="w+") for _ in range(world_size)]  # noqa: SIM115 (closed below)
-    processes = [
-        subprocess.Popen(
-            [sys.executable, str(script), *args],
-            cwd=ROOT,
-            env=worker_env(rank, world_size, port),
-            stdout=logs[rank],
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        for rank in range(world_size)
-    ]
-    deadline = time.monotonic() + timeout
-    try:
-        while any(p.poll() is None for p in processes):
-            if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in processes):
-                break
-            time.sleep(0.05)
-    finally:
-        _kill(processes)
-        for process in processes:
-            process.wait()
-    outputs = []
-    for log in logs:
-        log.seek(0)
-        outputs.append(log.read())
-        log.close()
-    failed = [r for r, p in enumerate(processes) if p.returncode != 0]
-    if failed:
-        timed_out = time.monotonic() > deadline
-        what = f"did not finish within {timeout:.0f}s" if timed_out else f"failed on ranks {failed}"
-        tails = "\n".join(f"--- rank {r}\n{outputs[r][-4000:]}" for r in range(world_size))
-        raise RuntimeError(f"{script.name} {' '.join(args)[:300]} {what}\n{tails}")
-    return outputs
-
-
-def _kill(processes: Sequence[subprocess.Popen[str]]) -> None:
-    for process in processes:
-        if process.poll() is None:  # not reaped yet, so its id still names our own session
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, signal.SIGKILL)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -390,10 +350,18 @@ class RawStep:
 
     def __init__(self, model: nn.Module, rank: int, world_size: int, accumulate: int) -> None:
         self.rank, self.world_size, self.accumulate = rank, world_size, accumulate
-        self.ddp = nn.parallel.DistributedDataParallel(model)
-        self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=LR)
+        self.model = model
+        self.ddp = nn.parallel.DistributedDataParallel(self.wrap(model))
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         self.capture = False
         self.captured: list[Tensor] | None = None
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The module DDP wraps (the model itself, unless a variant adds to it)."""
+        return model
+
+    def feed(self, data: Sequence[Sequence[Batch]]) -> None:
+        """Sees every step's window before the first (a variant that reads its loader ahead keeps an iterator)."""
 
     def sync_context(self, micro: int) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext() if micro == self.accumulate - 1 else self.ddp.no_sync()
@@ -404,11 +372,11 @@ class RawStep:
     def finish(self) -> None:
         if self.capture:  # the synchronized gradient that the optimizer is about to apply (step 0 only)
             self.captured = [
-                p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in self.ddp.parameters()
+                p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in self.model.parameters()
             ]
             self.capture = False
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     def parameters(self) -> list[Tensor]:
-        return [p.detach().clone() for p in self.ddp.module.parameters()]
+        return [p.detach().clone() for p in self.model.parameters()]

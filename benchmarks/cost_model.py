@@ -1,7 +1,11 @@
 """α-β cost model of what ddp_weighted adds to the gradient reduction, projected to NCCL at P = 8 … 4096 GPUs.
 
-With fp32/fp64 gradients the window's counts ride at the end of the first bucket (RIDE_WIDTH more values, no
-extra call); with fp16/bf16 gradients they are one separate all-reduce of the float64 count vector.
+Counts ahead (an ItemCounter): each window's handover rides in DDP's gradient all-reduce as the carrier's gradient
+(``reduce.carrier.width(dtype, P)`` more values, 7 to 80; no extra call) where ``reduce.carrier.fits(dtype, P)``;
+elsewhere (bf16 beyond 256 ranks, fp32 beyond 1024 unless P is a power of two) it is one separate all-reduce of 4
+float64.
+Riding counts (returned by ``training_step``): 12 more fp32 values in the first bucket, or one all-reduce of 6
+float64 with fp16/bf16 gradients.
 
 All-reduce of ``b`` bytes over ``P`` ranks (Thakur, Rabenseifner & Gropp 2005; NCCL's ring and tree; the
 ``2(P−1)/P`` factor is nccl-tests' bus-bandwidth factor, doc/PERFORMANCE.md):
@@ -20,13 +24,16 @@ import argparse
 import math
 from dataclasses import dataclass, fields
 
-try:  # the count vector that ddp_weighted all-reduces (WIDTH float64) or lets ride (RIDE_WIDTH fp32 values)
-    from lightning_weighted._counts import RIDE_WIDTH as _RIDE_WIDTH
-    from lightning_weighted._counts import WIDTH as _WIDTH
-except ImportError:  # pragma: no cover - the model stands alone
-    _WIDTH, _RIDE_WIDTH = 6, 12
-COUNT_BYTES = 8 * _WIDTH
-RIDE_BYTES = 4 * _RIDE_WIDTH
+import torch
+
+from lightning_weighted._counts import WIDTH, Handover
+from lightning_weighted.reduce.carrier import fits, width
+from lightning_weighted.reduce.riding import RIDE_WIDTH
+
+COUNT_BYTES = 8 * WIDTH  # the riding path's separate count vector (fp16/bf16 gradients)
+HANDOVER_BYTES = 8 * len(Handover)  # counts ahead, where the carrier does not fit
+RIDE_BYTES = 4 * RIDE_WIDTH
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -68,30 +75,39 @@ def allreduce_time(size_bytes: float, ranks: int, inputs: Inputs) -> tuple[float
 
 
 def projection(gradient_bytes: dict[str, float], ranks: list[int], inputs: Inputs) -> list[dict[str, float | str]]:
-    """Rows of (P, model): what ddp_weighted's counts add and their share of a step that is at least as long as
-    the gradient all-reduce (an upper bound on the share: it assumes nothing else in the step, and that the
-    separate count is fully exposed, although it is launched before the backward and overlaps it); plus what
-    the anchors pay in the same model (a blocking count, and post-hoc's extra read+write of the gradients).
-    Models named ``fp32`` let the counts ride in their first bucket; the others pay the separate call."""
+    """Rows of (P, model): what ddp_weighted's counts add (counts ahead, and riding counts) and the share of a step
+    that is at least as long as the gradient all-reduce (an upper bound: it assumes nothing else in the step, and a
+    separate all-reduce fully exposed although it is launched before the syncing backward and overlaps it); plus
+    what the anchors pay in the same model (a blocking count, and post-hoc's extra read+write of the gradients).
+    A model's name says its gradients' dtype (``fp32`` or ``bf16``)."""
     rows: list[dict[str, float | str]] = []
     for p in ranks:
-        separate, algorithm = allreduce_time(COUNT_BYTES, p, inputs)
+        separate, algorithm = allreduce_time(HANDOVER_BYTES, p, inputs)
+        blocking, _ = allreduce_time(8, p, inputs)
         for model, size in gradient_bytes.items():
+            dtype = next(d for name, d in _DTYPES.items() if name in model)
             gradient, _ = allreduce_time(size, p, inputs)
-            if "fp32" in model:
-                count, how = allreduce_time(size + RIDE_BYTES, p, inputs)[0] - gradient, f"rides (+{RIDE_BYTES} B)"
+            if fits(dtype, p):
+                carried = width(dtype, p) * dtype.itemsize
+                count, how = allreduce_time(size + carried, p, inputs)[0] - gradient, f"carried (+{carried} B)"
             else:
-                count, how = separate, algorithm
+                count, how = separate, f"own all-reduce ({algorithm})"
+            riding = (
+                allreduce_time(size + RIDE_BYTES, p, inputs)[0] - gradient
+                if dtype == torch.float32
+                else allreduce_time(COUNT_BYTES, p, inputs)[0]
+            )
             rows.append(
                 {
                     "P": p,
                     "model": model,
                     "count_algorithm": how,
                     "count_us": count * 1e6,
+                    "riding_us": riding * 1e6,
                     "grad_allreduce_ms": gradient * 1e3,
                     "share_upper_bound": count / (count + gradient),
-                    "post_hoc_extra_us": (separate + 2 * size / inputs.hbm) * 1e6,
-                    "pre_count_extra_us": separate * 1e6,
+                    "post_hoc_extra_us": (blocking + 2 * size / inputs.hbm) * 1e6,
+                    "pre_count_extra_us": blocking * 1e6,
                 }
             )
     return rows
@@ -99,14 +115,15 @@ def projection(gradient_bytes: dict[str, float], ranks: list[int], inputs: Input
 
 def markdown(rows: list[dict[str, float | str]]) -> str:
     lines = [
-        "| P | gradients | ddp_weighted's count | its cost (µs) | gradient all-reduce (ms) | count share ≤ |"
-        " post-hoc exposed (µs) | pre-count exposed (µs) |",
-        "|---:|---|---|---:|---:|---:|---:|---:|",
+        "| P | gradients | counts ahead: the handover | its cost (µs) | riding counts' cost (µs) |"
+        " gradient all-reduce (ms) | counts-ahead share ≤ | post-hoc exposed (µs) | pre-count exposed (µs) |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         lines.append(
             f"| {row['P']} | {row['model']} | {row['count_algorithm']} | {row['count_us']:.3g} |"
-            f" {row['grad_allreduce_ms']:.3f} | {100 * float(row['share_upper_bound']):.3g} % |"
+            f" {row['riding_us']:.3g} | {row['grad_allreduce_ms']:.3f} |"
+            f" {100 * float(row['share_upper_bound']):.3g} % |"
             f" {row['post_hoc_extra_us']:.0f} | {row['pre_count_extra_us']:.0f} |"
         )
     return "\n".join(lines)

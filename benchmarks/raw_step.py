@@ -12,18 +12,15 @@ import gc
 import json
 import random
 import resource
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from anchors import PostHocStep, PreCountStep
 from common import (
     DTYPES,
@@ -42,10 +39,18 @@ from common import (
     reference_gradient,
     reference_params,
 )
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from lightning_weighted._counts import WIDTH, count_of
+from lightning_weighted.participation import Participation
+from lightning_weighted.reduce.carrier import Carrier
+from lightning_weighted.reduce.counts import start_sum
 from lightning_weighted.reduce.ddp_hook import WeightedReduceState, weighted_allreduce_hook
+from lightning_weighted.strategies._ahead import WindowsAhead
+from lightning_weighted.strategies._zero import zero_loss
 from lightning_weighted.window import LossScale, Window
+
+CPU = torch.device("cpu")
 
 
 class PlainDDPStep(RawStep):
@@ -66,24 +71,18 @@ class ControlStep(PlainDDPStep):
     name = "ddp_control"
 
 
-class WeightedDDPStep(RawStep):
-    """What ``strategy="ddp_weighted"`` does, on a raw DDP module (``WeightedDDPStrategy`` in 20 lines).
+class RidingStep(RawStep):
+    """What ``strategy="ddp_weighted"`` does with counts returned by ``training_step`` (known only after it): the
+    window core scales each microbatch's loss, the strategy's comm hook lets the counts ride in the first bucket and
+    divides every bucket by ``N``, the summed counts are read once on the host after the backward."""
 
-    The window core (``lightning_weighted.window.Window``) scales each microbatch's mean loss, the strategy's
-    comm hook brings ``N`` to the buckets, and the summed counts are read once on the host after the backward
-    (the strategy's N = 0 and error check).
-    """
-
-    name = "ddp_weighted"
-    rides: bool | None = None  # None: ride wherever the strategy would (fp32/fp64 gradients)
+    name = "ddp_weighted_riding"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         dtypes = [p.dtype for p in self.ddp.parameters()]
-        rides = WeightedReduceState.can_ride(dtypes, self.world_size) if self.rides is None else self.rides
-        self.state = WeightedReduceState(rides=rides)
+        self.state = WeightedReduceState(rides=WeightedReduceState.can_ride(dtypes, self.world_size))
         self.ddp.register_comm_hook(self.state, weighted_allreduce_hook)
-        self.device = torch.device("cpu")
 
     def step(self, window: Iterator[Batch]) -> None:
         current = Window(LossScale.ITEM_SUM if self.state.rides else LossScale.MEAN_SIZED)
@@ -93,12 +92,101 @@ class WeightedDDPStep(RawStep):
                 factor = current.add(count_of({"count": batch[2].sum()}, batch), loss)
                 loss = loss * factor if factor != 1 else loss
                 if micro == self.accumulate - 1:
-                    self.state.begin_window(current.payload(self.rank), current.reference, self.device)
+                    self.state.begin_window(current.payload(self.rank), current.reference, CPU)
                 loss.backward()
         if current.finish(self.state.counts()).items == 0:
             self.optimizer.zero_grad(set_to_none=True)
             return
         self.finish()
+
+
+class AheadStep(RawStep):
+    """What ``strategy="ddp_weighted"`` does with an ``ItemCounter`` (counts ahead), on a raw DDP module.
+
+    The same pieces as the strategy (``WindowsAhead``, ``Window``, ``Carrier``): each batch counted on the host as
+    the stream yields it, the next window fetched and counted at this window's syncing microbatch, every loss
+    scaled by ``P n / N`` before its backward, DDP's own C++ reducer averaging; the handover (the next window's
+    count, this window's flags and loss) rides in the carrier's gradient and is read once after the backward.
+    """
+
+    name = "ddp_weighted"
+    carry = True  # the handover rides in the gradients' bucket; otherwise its own float64 all-reduce
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        # DDP's forward returns the loss, as Lightning's `training_step` through DDP does: the carrier adds to it
+        dtype = next(model.parameters()).dtype
+        self.carrier = Carrier(_MeanLoss(model), dtype, CPU, self.world_size) if self.carry else None
+        return self.carrier or _MeanLoss(model)
+
+    def feed(self, data: Sequence[Sequence[Batch]]) -> None:
+        size = self.accumulate  # no epochs here: every window is A microbatches
+        self.ahead = WindowsAhead(_BatchCounter(), Participation(), self.world_size, lambda _: size, _START)
+        self.stream = self.ahead.lookahead.iterate(iter(BatchStream([b for window in data for b in window])))
+
+    def step(self, window: Iterator[Batch]) -> None:
+        for micro in range(self.accumulate):
+            batch = next(self.stream)
+            current = self.ahead.begin_batch(micro)
+            sync = micro == self.accumulate - 1
+            if self.carrier is not None:
+                self.carrier.arm(sync)
+            with self.sync_context(micro):
+                loss = self.ddp(batch)
+                factor = current.add(self.ahead.count, loss)
+                if sync:
+                    values, share = current.handover(self.ahead.plan_following(micro), True)
+                    if self.carrier is not None:
+                        self.carrier.load(values, share)
+                    else:
+                        self.handover = start_sum(values, CPU, share)
+                zero = isinstance(factor, float) and factor == 0
+                (zero_loss(loss, self.model) if zero else loss * factor).backward()
+        done, payload = self.ahead.end_window(self.read)
+        if done.finish(payload).items == 0:
+            self.optimizer.zero_grad(set_to_none=True)
+            return
+        self.finish()
+
+    def read(self, also: torch.Tensor | None) -> list[float]:
+        if self.carrier is not None:
+            summed = self.carrier.read(also)
+            assert summed is not None
+            return summed
+        values, work = self.handover
+        work.wait()
+        return (values if also is None else torch.cat([values, also.double().reshape(1)])).tolist()
+
+
+_START = partial(start_sum, device=CPU)
+
+
+class _MeanLoss(torch.nn.Module):
+    """The model's mean loss over a batch's valid items as its forward (what ``training_step`` returns)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        return local_mean(self.model, batch)
+
+
+class AheadSeparateStep(AheadStep):
+    """ddp_weighted with counts ahead and the handover in its own float64 all-reduce, started before the syncing
+    backward: the path where the carrier cannot stay exact (bf16 beyond 256 ranks), and the price of one more
+    collective per step."""
+
+    name = "ddp_weighted_separate"
+    carry = False
+
+
+class _BatchCounter:
+    """``ItemCounter("tokens", key=2, mask=True)`` without the callback: the valid items of a benchmark batch."""
+
+    integer = True
+
+    def count_of(self, batch: Batch) -> torch.Tensor:
+        return batch[2].sum()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -115,66 +203,45 @@ class PythonHookStep(PlainDDPStep):
         self.ddp.register_comm_hook(None, default_hooks.allreduce_hook)
 
 
-class _FixedDivisor(WeightedReduceState):
-    """The weighted hook's state with a divisor known in advance: no count collective, no wait."""
+class ScaleOnlyStep(RawStep):
+    """Plain DDP whose losses are scaled by numbers known on the host (the counts of the step's window, counted
+    as the batches arrive, with ``N`` taken as twice the local count): the cost of scaling alone."""
 
-    __slots__ = ("fixed", "sent")
+    name = "scale_only"
 
-    def __init__(self, world_size: int) -> None:
-        super().__init__()
-        self.fixed = torch.tensor(float(world_size), dtype=torch.float64)
-        self.sent: torch.Tensor | None = None
-
-    def divisor(self) -> torch.Tensor:
-        return self.fixed
-
-
-class HookOnlyStep(PlainDDPStep):
-    """ddp_weighted's hook dividing by a constant (the world size): the hook without its count collective."""
-
-    name = "hook_no_count"
-    hook: Any = weighted_allreduce_hook
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.ddp.register_comm_hook(_FixedDivisor(self.world_size), type(self).hook)
+    def step(self, window: Iterator[Batch]) -> None:
+        batches = list(window)
+        counts = [float(b[2].sum()) for b in batches]
+        total = self.world_size * sum(counts) or 1.0
+        for micro, batch in enumerate(batches):
+            with self.sync_context(micro):
+                (local_mean(self.ddp, batch) * (self.world_size * counts[micro] / total)).backward()
+        self.finish()
 
 
-def first_copy_hook(state: _FixedDivisor, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """The riding hook's data movement without its counts: the first bucket goes out as a copy 12 values longer
-    (into a kept buffer) and every bucket is divided by a constant when its SUM comes back."""
-    buffer = bucket.buffer()
-    size = buffer.numel()
-    sent = buffer
-    if bucket.index() == 0:
-        if state.sent is None or state.sent.numel() != size + 12:
-            state.sent = torch.empty(size + 12, dtype=buffer.dtype)
-        sent = state.sent
-        torch.mul(buffer, 1.0, out=sent[:size])
-    work = dist.all_reduce(sent, group=state.process_group, async_op=True)
-    return work.get_future().then(lambda f: torch.div(f.value()[0][:size], state.fixed, out=buffer))
+class CarrierOnlyStep(ScaleOnlyStep):
+    """ScaleOnlyStep plus the carrier: its parameter in the first bucket, its term in the syncing forward, a fixed
+    handover through its hook and one host read of it after the backward (no window bookkeeping)."""
 
+    name = "carrier_fixed"
 
-first_copy_hook.__annotations__ = {
-    "state": _FixedDivisor,
-    "bucket": dist.GradBucket,
-    "return": torch.futures.Future[torch.Tensor],
-}
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        self.carrier = Carrier(_MeanLoss(model), next(model.parameters()).dtype, CPU, self.world_size)
+        return self.carrier
 
-
-class FirstCopyStep(HookOnlyStep):
-    """Plain DDP through :func:`first_copy_hook`: what riding costs before any count is read."""
-
-    name = "first_copy"
-    hook = first_copy_hook
-
-
-class SeparateCountStep(WeightedDDPStep):
-    """ddp_weighted with its counts in their own asynchronous float64 all-reduce, as for bf16 gradients, instead
-    of riding in the first bucket: the price of the extra collective."""
-
-    name = "weighted_separate_count"
-    rides = False
+    def step(self, window: Iterator[Batch]) -> None:
+        batches = list(window)
+        counts = [float(b[2].sum()) for b in batches]
+        total = self.world_size * sum(counts) or 1.0
+        for micro, batch in enumerate(batches):
+            sync = micro == self.accumulate - 1
+            self.carrier.arm(sync)
+            with self.sync_context(micro):
+                if sync:
+                    self.carrier.load([0.0, 0.0, 1.0, 0.0])
+                (self.ddp(batch) * (self.world_size * counts[micro] / total)).backward()
+        self.carrier.read()
+        self.finish()
 
 
 VARIANTS: dict[str, type[RawStep]] = {
@@ -182,13 +249,14 @@ VARIANTS: dict[str, type[RawStep]] = {
     for cls in (
         PlainDDPStep,
         ControlStep,
-        WeightedDDPStep,
+        AheadStep,
+        AheadSeparateStep,
+        RidingStep,
         PostHocStep,
         PreCountStep,
         PythonHookStep,
-        HookOnlyStep,
-        FirstCopyStep,
-        SeparateCountStep,
+        ScaleOnlyStep,
+        CarrierOnlyStep,
     )
 }
 
@@ -237,6 +305,8 @@ class Runner:
         for batches in data:  # the model's dtype, as a loader with `bf16-true` would hand them out
             for k, (x, y, w) in enumerate(batches):
                 batches[k] = (x.to(dtype), y, w)
+        for model in models.values():
+            model.feed(data)
         times: dict[str, list[float]] = {name: [] for name in steps}
         calls: dict[str, list[tuple[str, str, int]]] = {}
         for unit in range(units):
@@ -307,7 +377,7 @@ def _per_step(calls: list[tuple[str, str, int]], steps: int, dtype: torch.dtype)
     return per_step(calls, steps, dtype)
 
 
-CORE = ["ddp", "ddp_control", "ddp_weighted", "post_hoc", "pre_count"]
+CORE = ["ddp", "ddp_control", "ddp_weighted", "ddp_weighted_riding", "post_hoc", "pre_count"]
 
 
 def gloo_probe(rank: int) -> dict[str, float]:
@@ -337,6 +407,7 @@ def memory_run(point: Point, variant: str, rank: int, world_size: int) -> dict[s
     ]
     data = [[(x.to(dtype), y, w) for x, y, w in batches] for batches in data]
     model = VARIANTS[variant](make_model(point.size, point.seed).to(dtype), rank, world_size, point.accumulate)
+    model.feed(data)
     gc.collect()
     dist.barrier()
     hwm_reset = _reset_peak_rss()
@@ -344,7 +415,7 @@ def memory_run(point: Point, variant: str, rank: int, world_size: int) -> dict[s
     for s in range(point.rounds):
         model.step(iter(BatchStream(data[s])))
     peak = _rss_kib("VmHWM") if hwm_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    parameter_bytes = sum(p.numel() * p.element_size() for p in model.ddp.parameters())
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.model.parameters())
     dist.barrier()
     return {
         "variant": variant,

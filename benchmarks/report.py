@@ -6,19 +6,30 @@ import math
 from pathlib import Path
 from typing import Any
 
-from cost_model import COUNT_BYTES, DEFAULT_MODELS, DEFAULT_RANKS, RIDE_BYTES, Inputs, markdown, projection
+from cost_model import (
+    COUNT_BYTES,
+    DEFAULT_MODELS,
+    DEFAULT_RANKS,
+    HANDOVER_BYTES,
+    RIDE_BYTES,
+    Inputs,
+    markdown,
+    projection,
+)
 
-SHOWN = ["ddp_control", "ddp_weighted", "post_hoc", "pre_count"]
+SHOWN = ["ddp_control", "ddp_weighted", "ddp_weighted_riding", "post_hoc", "pre_count"]
+WEIGHTED = ["ddp_weighted", "ddp_weighted_riding", "post_hoc", "pre_count"]
 TITLES = {
     "ddp": "plain DDP",
     "ddp_control": "A-vs-A control",
-    "ddp_weighted": "ddp_weighted",
+    "ddp_weighted": "ddp_weighted (counts ahead)",
+    "ddp_weighted_riding": "ddp_weighted (riding counts)",
     "post_hoc": "post-hoc",
     "pre_count": "pre-count",
     "py_allreduce_hook": "torch's Python allreduce_hook",
-    "hook_no_count": "weighted hook, constant divisor",
-    "first_copy": "+ first bucket copied 12 longer, divided on return",
-    "weighted_separate_count": "ddp_weighted, counts in a separate all-reduce",
+    "scale_only": "losses scaled on the host",
+    "carrier_fixed": "+ the carrier, a fixed handover",
+    "ddp_weighted_separate": "counts ahead, handover in its own all-reduce",
 }
 
 ANALYSIS_FILE = "ANALYSIS.md"  # hand-written findings, linked from the report when present
@@ -58,7 +69,7 @@ def speed_table(points: list[dict[str, Any]], params: dict[str, int]) -> str:
 
 
 def correctness_table(points: list[dict[str, Any]]) -> str:
-    names = ["ddp", "ddp_weighted", "post_hoc", "pre_count"]
+    names = ["ddp", *WEIGHTED]
     lines = ["| point | " + " | ".join(TITLES[n] for n in names) + " |", "|---|" + "---:|" * len(names)]
     for entry in points:
         point, dev, grad = entry["point"], entry.get("deviation") or {}, entry.get("gradient_deviation") or {}
@@ -74,7 +85,7 @@ def correctness_table(points: list[dict[str, Any]]) -> str:
 
 
 def collectives_table(points: list[dict[str, Any]], level: str) -> str:
-    names = ["ddp", "ddp_weighted", "post_hoc", "pre_count"]
+    names = ["ddp", *WEIGHTED]
     lines = [
         "| point | variant | gradient all-reduces / step | gradient bytes / step | source |"
         " other collectives / step | their bytes | kinds seen by the Python wrapper |",
@@ -102,11 +113,12 @@ def collectives_table(points: list[dict[str, Any]], level: str) -> str:
                 f" {', '.join(calls['kinds'])} |"
             )
     note = (
-        "Counted over the last warm-up step. Plain DDP, post-hoc and pre-count reduce their buckets in DDP's "
-        "C++ reducer, which a Python wrapper of `torch.distributed` never sees: their bucket counts and bytes "
-        "come from DDP's logging data (`rebuilt_bucket_sizes`). ddp_weighted's buckets go through its Python "
-        "comm hook and were counted by the wrapper (same number of buckets as the logging data; the payload "
-        "is the flat bucket buffer). Bytes are the payload of each call, not the 2(P−1)/P traffic of a ring."
+        "Counted over the last warm-up step. Plain DDP, ddp_weighted with counts ahead, post-hoc and pre-count reduce "
+        "their buckets in DDP's C++ reducer, which a Python wrapper of `torch.distributed` never sees: their bucket "
+        "counts and bytes come from DDP's logging data (`rebuilt_bucket_sizes`); with counts ahead one bucket holds "
+        "the carrier's gradient too (7 values in fp32, 14 in bf16, on 2 ranks). ddp_weighted with riding counts "
+        "reduces its buckets through its Python comm hook, counted by the wrapper (the payload is the flat bucket "
+        "buffer). Bytes are the payload of each call, not the 2(P−1)/P traffic of a ring."
     )
     if level == "trainer":
         note += (
@@ -117,7 +129,7 @@ def collectives_table(points: list[dict[str, Any]], level: str) -> str:
 
 
 def sweep_table(sweep: list[dict[str, Any]]) -> str:
-    names = ["ddp", "ddp_control", "ddp_weighted", "post_hoc", "pre_count"]
+    names = ["ddp", "ddp_control", *WEIGHTED]
     lines = [
         "| rank 0 holds | "
         + " | ".join(f"{TITLES[n]} epoch (ms)" for n in names)
@@ -180,23 +192,21 @@ def cpu_model_table(data: dict[str, Any]) -> str:
     if count is None:
         return "(no probe)"
     lines = [
-        "| point | plain DDP step (ms) | ddp_weighted's count | share if fully exposed |"
-        " measured ddp_weighted ÷ DDP − 1 | A-vs-A control − 1 |",
-        "|---|---:|---|---:|---:|---:|",
+        "| point | plain DDP step (ms) | one small all-reduce, if fully exposed | ddp_weighted (ahead) ÷ DDP − 1 |"
+        " riding ÷ DDP − 1 | A-vs-A control − 1 |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for entry in data["raw"]:
         point = entry["point"]
         step = entry["ms"]["ddp"] / 1e3
-        rides = point["dtype"] in ("fp32", "fp64")
-        how = f"rides (+{RIDE_BYTES} B)" if rides else f"all-reduce, {count * 1e3:.3f} ms"
-        share = "—" if rides else f"{100 * count / step:.1f} %"
         lines.append(
-            f"| {point['size']} A={point['accumulate']} {point['dtype']} | {step * 1e3:.2f} | {how} | {share} |"
-            f" {100 * (entry['ratio']['ddp_weighted']['median'] - 1):+.1f} % |"
+            f"| {point['size']} A={point['accumulate']} {point['dtype']} | {step * 1e3:.2f} |"
+            f" {100 * count / step:.1f} % | {100 * (entry['ratio']['ddp_weighted']['median'] - 1):+.1f} % |"
+            f" {100 * (entry['ratio']['ddp_weighted_riding']['median'] - 1):+.1f} % |"
             f" {100 * (entry['ratio']['ddp_control']['median'] - 1):+.1f} % |"
         )
     return "\n".join(lines) + (
-        f"\n\nMeasured on this machine's gloo loopback: a {COUNT_BYTES}-byte count all-reduce takes "
+        f"\n\nMeasured on this machine's gloo loopback: a {COUNT_BYTES}-byte float64 all-reduce takes "
         f"{count * 1e6:.0f} µs (median of 200), an 8 MiB fp32 all-reduce "
         f"{probe['allreduce_8MiB_s'] * 1e3:.1f} ms "
         f"(≈ {8 * 1.048576 / probe['allreduce_8MiB_s'] / 1e3:.2f} GB/s)."
@@ -210,11 +220,17 @@ def write_chart(data: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(2, 2, figsize=(15, 10))
-    colors = {"ddp_control": "grey", "ddp_weighted": "tab:blue", "post_hoc": "tab:orange", "pre_count": "tab:green"}
+    colors = {
+        "ddp_control": "grey",
+        "ddp_weighted": "tab:blue",
+        "ddp_weighted_riding": "tab:purple",
+        "post_hoc": "tab:orange",
+        "pre_count": "tab:green",
+    }
     for ax, level, title in ((axes[0][0], "raw", "Raw DDP step"), (axes[0][1], "trainer", "Lightning Trainer step")):
         points = data[level]
         for k, name in enumerate(SHOWN):
-            xs = [i + (k - 1.5) * 0.18 for i in range(len(points))]
+            xs = [i + (k - 2) * 0.15 for i in range(len(points))]
             med = [p["ratio"][name]["median"] for p in points]
             low = [p["ratio"][name]["median"] - p["ratio"][name]["p10"] for p in points]
             high = [p["ratio"][name]["p90"] - p["ratio"][name]["median"] for p in points]
@@ -231,7 +247,7 @@ def write_chart(data: dict[str, Any], path: Path) -> None:
     ax = axes[1][0]
     sweep = data["sweep"]
     if sweep:
-        for name in ["ddp", "ddp_weighted", "post_hoc", "pre_count"]:
+        for name in ["ddp", *WEIGHTED]:
             ax.plot(
                 [1 - s["imbalance"] for s in sweep],
                 [s["ms"][name] for s in sweep],
@@ -253,7 +269,7 @@ def write_chart(data: dict[str, Any], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("GPUs (NCCL, α-β model)")
     ax.set_ylabel("counts' cost ÷ (that + gradient all-reduce), %")
-    ax.set_title("Projected upper bound of the counts' share (fp32: riding)")
+    ax.set_title("Projected upper bound of the counts' share (counts ahead)")
     ax.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -281,11 +297,15 @@ def write_report(data: dict[str, Any], out: Path) -> None:
         "",
         'Variants (see `anchors.py`, `raw_step.py`, `trainer_step.py`): **plain DDP** (`strategy="ddp"`: local '
         "mean ÷ A, mean all-reduce; the floor, and the wrong objective); **A-vs-A control** (a second, independent "
-        "plain DDP: its ratio is the noise floor); **ddp_weighted** (the package's comm hook, count vector "
-        "all-reduced asynchronously before the syncing backward); **post-hoc** (fairseq / Megatron / torchtune: "
-        "loss sums, DDP mean, then a blocking count all-reduce and ×P/N over every gradient); **pre-count** "
-        "(HF Trainer / torchtitan: load the window, blocking count all-reduce before the first forward, each "
-        "loss sum ×P/N).",
+        "plain DDP: its ratio is the noise floor); **ddp_weighted (counts ahead)** (what the strategy does with an "
+        "`ItemCounter`: each batch counted on the host as the loader yields it, every loss scaled by P·n/N before "
+        "its backward, DDP's own C++ reducer with no comm hook, each window's handover — the next window's N — "
+        "riding in the gradient all-reduce as one extra parameter's gradient); **ddp_weighted (riding counts)** "
+        "(counts returned by `training_step`: the package's Python comm hook, the counts riding at the end of the "
+        "first fp32 bucket, a separate 48-byte all-reduce with bf16 gradients); **post-hoc** (fairseq / Megatron / "
+        "torchtune: loss sums, DDP mean, then a blocking count all-reduce and ×P/N over every gradient); "
+        "**pre-count** (HF Trainer / torchtitan: load the window, blocking count all-reduce before the first "
+        "forward, each loss sum ×P/N).",
         "",
         "Data: microbatches of 32 padded items; rank 0 has 10-40 % valid items, rank 1 70-100 %, targets offset "
         "in opposite directions; SGD lr 0.2, no momentum, no clipping; models are MLPs "
@@ -301,7 +321,9 @@ def write_report(data: dict[str, Any], out: Path) -> None:
         'Each variant is a whole `Trainer.fit` (`strategy="ddp"` or `"ddp_weighted"`; post-hoc and pre-count '
         'as LightningModules under `strategy="ddp"`, pre-count fed by a window-prefetching loader) in its own '
         "thread; a baton callback parks each fit at every window start and the main thread releases one window "
-        "at a time, so the interleaving and pairing are the same as in the raw benchmark.",
+        "at a time, so the interleaving and pairing are the same as in the raw benchmark. ddp_weighted (counts "
+        "ahead) is the plain DDP module (a bare mean loss) with `ItemCounter('tokens', key=2, mask=True, "
+        "log=False)`; ddp_weighted (riding counts) returns `{'loss': mean, 'count': n}`. bf16 is `bf16-true`.",
         "",
         speed_table(data["trainer"], params) if data["trainer"] else "(not run)",
         "",
@@ -337,20 +359,21 @@ def write_report(data: dict[str, Any], out: Path) -> None:
         "## Peak memory",
         "",
         "One variant per process group (20M parameters fp32, A = 4, 4 steps): growth of peak resident memory "
-        "from after model, DDP and data set-up to the end of the steps.",
+        "from after model, DDP and data set-up to the end of the steps. Counts ahead hold the next window's "
+        "batches (host memory, A microbatches) from the last microbatch of the window before it.",
         "",
         memory_table(data["memory"]),
         "",
         "## Where ddp_weighted's cost comes from (raw DDP ablation)",
         "",
-        "Each column adds one piece of the mechanism to plain DDP, all interleaved in the same rounds: torch's "
-        "own Python `allreduce_hook` (the price of any Python comm hook against DDP's C++ reducer), ddp_weighted's "
-        "hook dividing by a constant (no count at all), the riding hook's data movement without counts (the first "
-        "bucket copied into a buffer 12 values longer, every bucket divided on return), ddp_weighted with its "
-        "counts in a separate asynchronous "
-        "float64 all-reduce (its bf16/fp16 path, forced here on fp32 gradients), and ddp_weighted as shipped, "
-        "the counts riding at the end of the first fp32 bucket (plus per-microbatch count reads and the "
-        "end-of-window host read of N in both).",
+        "Each column adds one piece of the counts-ahead mechanism to plain DDP, all interleaved in the same rounds: "
+        "every loss scaled by a number known on the host (the batches counted as they arrive, nothing else); plus "
+        "the carrier (its parameter in a bucket, its term in the syncing forward, a fixed handover through its "
+        "hook, one host read of its gradient); ddp_weighted with counts ahead as shipped (the window bookkeeping, "
+        "the lookahead, the handover decoded); the same with the handover in its own float64 all-reduce instead "
+        "of the carrier (started before the syncing backward, waited after it: the price of one more collective on "
+        "this machine); and, for reference, torch's own Python `allreduce_hook` (the price of any Python comm hook) "
+        "and ddp_weighted with riding counts.",
         "",
         ablation_table(data.get("ablation", [])),
         "",
@@ -372,14 +395,16 @@ def write_report(data: dict[str, Any], out: Path) -> None:
         "Inputs (defaults of `cost_model.Inputs`, with their sources in its docstring): o = 10 µs per call; "
         "α = 2 µs per NVLink hop (P = 8), 5 µs per InfiniBand hop (P > 8); 1/β = 360 GB/s within a node, "
         "45 GB/s per GPU across nodes (400 Gb/s NDR); HBM 3.35 TB/s for post-hoc's pass over the gradients. "
-        f"With fp32 gradients ddp_weighted's counts ride in the first bucket ({RIDE_BYTES} more bytes, no call); "
-        f"with bf16 they are a separate all-reduce of {COUNT_BYTES} bytes ({COUNT_BYTES // 8} × float64).",
+        "With counts ahead each window's handover rides in the gradient all-reduce as the carrier's gradient (7 to "
+        "80 values, by dtype and P; no call) where it stays exact (`reduce.carrier.fits`: bf16 to 256 ranks, "
+        f"fp32 to 1024 or any power of two), else in its own all-reduce of {HANDOVER_BYTES} bytes; riding counts "
+        f"add {RIDE_BYTES} bytes to the first fp32 bucket, or an all-reduce of {COUNT_BYTES} bytes with bf16.",
         "",
         "The share column is an upper bound: it charges the counts in full against a step that holds nothing but "
-        "the gradient all-reduce. The separate count all-reduce is launched asynchronously before the syncing "
-        "backward and the hook waits for it only when the first bucket is ready, so it is exposed only when that "
-        "part of the backward is shorter than its time. Post-hoc and pre-count pay a count call fully exposed "
-        "(blocking) at every P and dtype, post-hoc also a read and write of every gradient.",
+        "the gradient all-reduce. A separate handover all-reduce is launched before the syncing backward and "
+        "waited for after it, so it is exposed only when the backward is shorter than its time. Post-hoc and "
+        "pre-count pay a count call fully exposed (blocking) at every P and dtype, post-hoc also a read and "
+        "write of every gradient.",
         "",
         markdown(projection(DEFAULT_MODELS, DEFAULT_RANKS, Inputs())),
         "",

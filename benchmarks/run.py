@@ -3,8 +3,9 @@
 Runs, on 2 gloo ranks of this machine, each level in fresh processes under a hard timeout:
 
 - ``raw``: raw ``DistributedDataParallel`` optimizer steps (``raw_step.py``): plain DDP, an A-vs-A control
-  (a second plain DDP), ddp_weighted (its comm hook), post-hoc and pre-count normalisation (``anchors.py``),
-  over parameters × accumulation × gradient dtype, repeated ``--repeats`` times;
+  (a second plain DDP), ddp_weighted with counts ahead (DDP's own reducer) and with riding counts (its comm
+  hook), post-hoc and pre-count normalisation (``anchors.py``), over parameters × accumulation × gradient dtype,
+  repeated ``--repeats`` times, the ranks started by ``torch.distributed.run`` under a hard timeout;
 - ``sweep``: one rank holding 0/25/50 % fewer microbatches per epoch, padded with zero-count microbatches;
 - ``trainer``: the same variants as whole Lightning ``Trainer`` fits (``trainer_step.py``);
 - ``memory``: one process group per variant, peak resident memory growth over a few steps;
@@ -12,7 +13,7 @@ Runs, on 2 gloo ranks of this machine, each level in fresh processes under a har
 
 Then writes ``RESULTS.md``, ``results.png`` and ``results.json`` into ``--out``.
 
-    python benchmarks/run.py                       # the full run (≈ 15 min on 2 cores)
+    python benchmarks/run.py                       # the full run (≈ 35 min on 2 cores)
     python benchmarks/run.py --quick --out /tmp/b  # the smoke test's tiny grid (≈ 30 s)
 """
 
@@ -31,18 +32,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sharded_step
 from common import HERE, Point, launch, paired_ratios, parameter_count, summary
 
 ABLATION_VARIANTS = [
     "ddp",
     "ddp_control",
-    "py_allreduce_hook",
-    "hook_no_count",
-    "first_copy",
-    "weighted_separate_count",
+    "scale_only",
+    "carrier_fixed",
     "ddp_weighted",
+    "ddp_weighted_separate",
+    "py_allreduce_hook",
+    "ddp_weighted_riding",
 ]
 
 
@@ -51,27 +52,29 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     if args.quick:
         sizes, accumulate, dtypes = ["tiny"], [1, 2], ["fp32"]
         rounds = {"tiny": args.rounds}
-        trainer = [Point("tiny", a, "fp32", args.rounds, args.warmup) for a in (1, 2)]
+        trainer_sizes = sizes
         sweep = dict(size="tiny", accumulate=2, dtype="fp32", epoch_steps=2, rounds=args.rounds, warmup=1)
         memory = Point("tiny", 2, "fp32", 3, 0)
         ablation = [Point("tiny", 1, "fp32", args.rounds, args.warmup)]
     else:
         sizes, accumulate, dtypes = ["0.2M", "2M", "20M"], [1, 4], ["fp32", "bf16"]
-        rounds = {"0.2M": args.rounds, "2M": args.rounds, "20M": args.rounds_20m}
-        trainer = [Point(s, a, "fp32", args.rounds, args.warmup) for s in ("0.2M", "2M") for a in (1, 4)]
-        trainer.append(Point("2M", 4, "bf16", args.rounds, args.warmup))
+        rounds = {"0.2M": 2 * args.rounds, "2M": args.rounds, "20M": args.rounds_20m}
+        trainer_sizes = sizes
         sweep = dict(size="2M", accumulate=4, dtype="fp32", epoch_steps=2, rounds=args.sweep_rounds, warmup=1)
         memory = Point("20M", 4, "fp32", 4, 0)
-        ablation = [Point(s, 1, "fp32", args.ablation_rounds, args.warmup) for s in ("0.2M", "2M")]
-    raw = [
-        Point(size, a, dtype, rounds[size], args.warmup if size != "20M" else max(2, args.warmup // 2))
-        for size in sizes
-        for a in accumulate
-        for dtype in dtypes
-    ]
+        ablation = [Point(s, a, "fp32", args.ablation_rounds, args.warmup) for s in ("0.2M", "2M") for a in (1, 4)]
+
+    def points(chosen: list[str]) -> list[Point]:
+        return [
+            Point(size, a, dtype, rounds[size], args.warmup if size != "20M" else max(2, args.warmup // 2))
+            for size in chosen
+            for a in accumulate
+            for dtype in dtypes
+        ]
+
     sweeps = [{**sweep, "imbalance": s} for s in (0.0, 0.25, 0.5)]
-    grid = {"raw": raw, "trainer": trainer, "sweep": sweeps, "memory": memory, "ablation": ablation}
-    return {**grid, "sharded": sharded_step.points(args)}
+    grid = {"raw": points(sizes), "trainer": points(trainer_sizes), "sweep": sweeps, "memory": memory}
+    return {**grid, "ablation": ablation, "sharded": sharded_step.points(args)}
 
 
 def run_levels(args: argparse.Namespace, grid: dict[str, Any]) -> dict[str, Any]:
@@ -82,10 +85,10 @@ def run_levels(args: argparse.Namespace, grid: dict[str, Any]) -> dict[str, Any]
     def timed(level: str, script: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
         out = scratch / f"{level}-{time.monotonic_ns()}.json"
         start = time.monotonic()
-        outputs = launch(HERE / script, ["--spec", json.dumps(spec), "--out", str(out)], 2, timeout)
+        output = launch(HERE / script, ["--spec", json.dumps(spec), "--out", str(out)], 2, timeout)
         results["seconds"][level] = results["seconds"].get(level, 0.0) + time.monotonic() - start
         if args.verbose:
-            print(outputs[0][-4000:], flush=True)
+            print(output[-4000:], flush=True)
         data: dict[str, Any] = json.loads(out.read_text())
         out.unlink()
         return data
@@ -123,7 +126,7 @@ def run_levels(args: argparse.Namespace, grid: dict[str, Any]) -> dict[str, Any]
             for spec in sharded_step.memory_specs(grid["sharded"], args)
         ]
     if "memory" in levels:
-        for variant in ("ddp", "ddp_weighted", "post_hoc", "pre_count"):
+        for variant in ("ddp", "ddp_weighted", "ddp_weighted_riding", "post_hoc", "pre_count"):
             spec = {
                 "memory": {"point": dataclasses.asdict(grid["memory"]), "variant": variant},
                 "timeout": args.pg_timeout,
@@ -203,11 +206,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny grid, few rounds (the smoke test)")
     parser.add_argument("--repeats", type=int, default=2, help="independent process groups per level")
-    parser.add_argument("--rounds", type=int, default=60, help="timed rounds per grid point (0.2M, 2M)")
-    parser.add_argument("--rounds-20m", type=int, default=8, help="timed rounds for the 20M points")
+    parser.add_argument("--rounds", type=int, default=150, help="timed rounds per grid point (2M; 0.2M: twice)")
+    parser.add_argument("--rounds-20m", type=int, default=12, help="timed rounds for the 20M points")
     parser.add_argument("--sweep-rounds", type=int, default=8, help="timed epochs per imbalance")
     parser.add_argument("--warmup", type=int, default=5, help="untimed rounds first (20M: half)")
-    parser.add_argument("--ablation-rounds", type=int, default=80, help="timed rounds of the cost ablation")
+    parser.add_argument("--ablation-rounds", type=int, default=150, help="timed rounds of the cost ablation")
     parser.add_argument("--levels", default="raw,sweep,ablation,trainer,memory,sharded")
     parser.add_argument("--out", type=Path, default=HERE, help="where RESULTS.md, results.png, results.json go")
     parser.add_argument("--timeout", type=float, default=900, help="hard timeout of one launch (s)")

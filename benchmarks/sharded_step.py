@@ -22,7 +22,6 @@ import gc
 import json
 import logging
 import random
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -32,11 +31,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.strategies import ModelParallelStrategy
-from torch import Tensor, nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     BatchStream,
     CollectiveCounter,
@@ -49,6 +43,9 @@ from common import (
     reference_params,
     summary,
 )
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import Tensor, nn
 from trainer_step import WAIT_S, PlainModule, WeightedModule, _Sized
 
 import lightning_weighted

@@ -16,7 +16,6 @@ import gc
 import json
 import logging
 import random
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -26,10 +25,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Callback, LightningModule, Trainer
-from torch import Tensor
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from anchors import PostHocModule, PreCountModule, WindowPrefetch
 from common import (
     DTYPES,
@@ -48,8 +43,10 @@ from common import (
     reference_gradient,
     reference_params,
 )
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import Tensor
 
-import lightning_weighted  # noqa: F401  (registers "ddp_weighted")
+import lightning_weighted  # registers "ddp_weighted"
 
 PRECISION = {"fp32": "32-true", "bf16": "bf16-true"}
 WAIT_S = 300.0
@@ -70,19 +67,21 @@ class PlainModule(LightningModule):
 
 
 class WeightedModule(PlainModule):
-    """Returns ``{"loss": local_mean, "count": n}`` for ``strategy="ddp_weighted"``."""
+    """Returns ``{"loss": local_mean, "count": n}``: counts known only after ``training_step`` (they ride)."""
 
     def training_step(self, batch: Batch, batch_idx: int) -> Any:
         return {"loss": local_mean(self.model, batch), "count": batch[2].sum()}
 
 
-# name -> (module class, strategy, window prefetch)
-VARIANTS: dict[str, tuple[type[LightningModule], str, bool]] = {
-    "ddp": (PlainModule, "ddp", False),
-    "ddp_control": (PlainModule, "ddp", False),
-    "ddp_weighted": (WeightedModule, "ddp_weighted", False),
-    "post_hoc": (PostHocModule, "ddp", False),
-    "pre_count": (PreCountModule, "ddp", True),
+# name -> (module class, strategy, window prefetch, ItemCounter)
+VARIANTS: dict[str, tuple[type[LightningModule], str, bool, bool]] = {
+    "ddp": (PlainModule, "ddp", False, False),
+    "ddp_control": (PlainModule, "ddp", False, False),
+    # the module plain DDP users write, with an ItemCounter: counts taken ahead, DDP's own reducer
+    "ddp_weighted": (PlainModule, "ddp_weighted", False, True),
+    "ddp_weighted_riding": (WeightedModule, "ddp_weighted", False, False),
+    "post_hoc": (PostHocModule, "ddp", False, False),
+    "pre_count": (PreCountModule, "ddp", True, False),
 }
 
 
@@ -127,8 +126,11 @@ class Baton(Callback):
 class Fit(threading.Thread):
     def __init__(self, name: str, point: Point, rank: int, counter: CollectiveCounter) -> None:
         super().__init__(name=name, daemon=True)
-        module_cls, strategy, prefetch = VARIANTS[name]
+        module_cls, strategy, prefetch, counts = VARIANTS[name]
         self.baton = Baton(point.accumulate, counter)
+        callbacks: list[Callback] = [self.baton]
+        if counts:  # the mask's valid items, counted from each batch as the loader yields it; no logging
+            callbacks.append(lightning_weighted.ItemCounter("tokens", key=2, mask=True, log=False))
         self.module = module_cls(make_model(point.size, point.seed))
         steps = point.steps + 1  # the last window runs untimed, while the fits finish one by one
         batches = [
@@ -148,7 +150,7 @@ class Fit(threading.Thread):
             max_steps=steps,
             accumulate_grad_batches=point.accumulate,
             precision=PRECISION[point.dtype],  # type: ignore[arg-type]
-            callbacks=[self.baton],
+            callbacks=callbacks,
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,

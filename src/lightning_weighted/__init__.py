@@ -12,6 +12,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_weighted.audit import AuditReport, ObjectiveAudit, ObjectiveMismatchError, is_replaying
 from lightning_weighted.counting import ItemCounter, count_examples, count_tokens, count_weights
 from lightning_weighted.fabric import WeightedFabricDDPStrategy, WeightedFabricModelParallelStrategy
+from lightning_weighted.lookahead import BatchCounter
 from lightning_weighted.participation import UnpaddedDistributedSampler
 from lightning_weighted.reduce.ddp_hook import WeightedReduceState, weighted_allreduce_hook
 from lightning_weighted.reduce.sharded import ShardedReduceState
@@ -26,6 +27,7 @@ from lightning_weighted.window import LossScale, Window, WindowResult
 __all__ = [
     "AnyDeviceFSDPStrategy",
     "AuditReport",
+    "BatchCounter",
     "ItemCounter",
     "LossScale",
     "ObjectiveAudit",

@@ -22,15 +22,17 @@ __all__ = [
     "CountPayload",
     "CountProblem",
     "GlobalCount",
-    "Ride",
+    "Handover",
     "Slot",
     "Wording",
+    "agreed",
     "count_of",
     "decode",
     "imbalance",
+    "on_device",
     "read_count",
+    "settled",
     "split_output",
-    "unride",
 ]
 
 MAX_ITEMS = 2.0**53  # a rank's items in one window stay below it, where float64 still counts single items
@@ -49,6 +51,7 @@ class CountProblem(IntEnum):
     TOO_LARGE = 8
     REDUCTION = 9
     MISSING = 10
+    DISAGREES = 11
 
 
 FIX = (
@@ -91,8 +94,20 @@ _MESSAGES: dict[CountProblem, tuple[type[Exception], str]] = {
         " microbatch's items, or leave it out for a mean",
     ),
     CountProblem.MISSING: (TypeError, "{source} no count"),
+    CountProblem.DISAGREES: (
+        ValueError,
+        "{source} count={value!r}, which differs from the count ItemCounter took from the same batch"
+        " before the window's first forward (the one the window's N holds); make them agree (e.g. the causal shift,"
+        " `ignore_index`), or drop one of them",
+    ),
 }
-_WITH_VALUE = (CountProblem.NEGATIVE, CountProblem.NOT_FINITE, CountProblem.FRACTIONAL, CountProblem.TOO_LARGE)
+_WITH_VALUE = (
+    CountProblem.NEGATIVE,
+    CountProblem.NOT_FINITE,
+    CountProblem.FRACTIONAL,
+    CountProblem.TOO_LARGE,
+    CountProblem.DISAGREES,
+)
 
 
 def read_count(value: object, integer: bool = False) -> tuple[float, CountProblem | None]:
@@ -190,6 +205,27 @@ def count_of(output: object, batch: Any, supplied: tuple[object, bool] | None = 
     return Count(float(extract_batch_size(batch)), implicit=True)
 
 
+def agreed(output: object, planned: Count) -> Count:
+    """The count rule where the window's counts were taken from its batches ahead: the planned count, checked.
+
+    A ``"count"`` that ``training_step`` still returns must be valid and equal the planned one: the window's ``N``
+    already holds the planned count.
+
+    Example::
+
+        >>> agreed({"loss": torch.tensor(1.0), "count": 4}, planned=Count(4.0))
+        Count(value=4.0, problem=None, implicit=False)
+        >>> agreed({"loss": torch.tensor(1.0), "count": 5}, planned=Count(4.0)).problem
+        <CountProblem.DISAGREES: 11>
+    """
+    if not isinstance(output, Mapping) or "count" not in output or planned.problem is not None:
+        return planned
+    value, problem = read_count(output["count"])
+    if problem is None and value != planned.value:
+        problem = CountProblem.DISAGREES
+    return planned if problem is None else Count(value, problem)
+
+
 class Slot(IntEnum):
     """The named fields of the float64 count payload each rank contributes to the window's SUM.
 
@@ -204,25 +240,33 @@ class Slot(IntEnum):
     LOSS = 5  # Σ_m n_m · loss_m, the window's item-sum loss
 
 
-class Ride(IntEnum):
-    """Where the payload sits when it rides at the end of an fp32 (or fp64) gradient bucket.
+class Handover(IntEnum):
+    """What every rank SUMs at the end of a window whose counts were known before its first forward.
 
-    The whole part of ``ITEMS`` is split into 8 base-256 digits: a digit summed over P <= ``MAX_RIDING_RANKS``
-    ranks is at most 255·P <= 2**24, an exact fp32 integer, so ``N`` stays exact where an fp32 sum of the
-    counts rounds above 2**24. ``CODE`` and ``VALUE`` do not ride: an error fetches them with a float64 SUM.
+    The window's own ``N`` was summed before it started; its end brings what came later, and the next window's
+    ``N`` (at an epoch's first window, the handover holds that window's count alone). The SUM travels in DDP's
+    gradient all-reduce (:mod:`lightning_weighted.reduce.carrier`) or in a float64 all-reduce of its own.
     """
 
-    DIGIT0 = 0  # DIGIT0 .. DIGIT0 + DIGITS - 1: base-256 digits of the whole part of ITEMS
-    FRACTION = 8  # the fractional part of ITEMS (weight sums)
-    INVALID = 9
-    MORE = 10
-    LOSS = 11
+    ITEMS = 0  # Σ_m n_m over the next window on this rank
+    INVALID = 1  # 1 if this rank found a problem in this window (a count, a loss, a disagreement)
+    MORE = 2  # 1 if this rank holds real batches after this window
+    LOSS = 3  # Σ_m n_m · loss_m / N over this window: summed over the ranks, the window's global item mean
+
+
+def settled(items: float, summed: Sequence[float]) -> list[float]:
+    """A window's summed payload (indexed by :class:`Slot`) from its ``N`` and the SUM of the handovers at its end.
+
+    Example::
+
+        >>> settled(8.0, [12.0, 0.0, 2.0, 1.5])  # N = 8; the next window's 12 items are not this window's
+        [8.0, 0.0, 0.0, 0.0, 2.0, 12.0]
+    """
+    return [items, summed[Handover.INVALID], 0.0, 0.0, summed[Handover.MORE], summed[Handover.LOSS] * items]
 
 
 _KINDS = 16
-DIGITS = Ride.FRACTION - Ride.DIGIT0
-WIDTH, RIDE_WIDTH = len(Slot), Ride.LOSS + 1
-MAX_RIDING_RANKS = 2**24 // 255
+WIDTH = len(Slot)
 
 
 @dataclass(frozen=True)
@@ -253,53 +297,22 @@ class CountPayload:
             vector[Slot.VALUE] = value if problem in _WITH_VALUE else 0.0
         return vector
 
-    def riding(self) -> list[float]:
-        """The payload as it rides in an fp32 bucket, indexed by :class:`Ride`.
-
-        Example::
-
-            >>> CountPayload(1000.5, None, rank=0, more=True).riding()
-            [232.0, 3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.0, 1.0, 0.0]
-        """
-        whole = math.floor(self.items)
-        vector = [float((whole >> (8 * place)) & 255) for place in range(DIGITS)]
-        return [*vector, self.items - whole, float(self.problem is not None), float(self.more), 0.0]
-
-    def tensor(self, device: torch.device, riding: bool = False, dtype: torch.dtype = torch.float64) -> Tensor:
-        """The payload on ``device``, with ``loss_sum`` added into its loss slot there (no host read)."""
-        values = self.riding() if riding else self.fields()
-        vector = torch.tensor(values, dtype=torch.float64)
-        if device.type == "cuda":
-            vector = vector.pin_memory()  # a pinned, non-blocking copy keeps the host from waiting
-        vector = vector.to(device, dtype, non_blocking=True)
-        if self.loss_sum is not None:
-            vector[Ride.LOSS if riding else Slot.LOSS] += self.loss_sum.to(device=device, dtype=dtype)
-        return vector
+    def tensor(self, device: torch.device) -> Tensor:
+        """The payload as a float64 vector on ``device``, with ``loss_sum`` added into its loss slot there."""
+        return on_device(self.fields(), device, Slot.LOSS, self.loss_sum)
 
 
-def unride(summed: Tensor) -> Tensor:
-    """The summed riding payload (``RIDE_WIDTH`` values) as the float64 vector indexed by :class:`Slot`.
-
-    One product with a fixed matrix, on the payload's device (it runs in a reduction's completion callback, where
-    every operation counts); float64 keeps the digits' place values and their sums exact below 2**53. Example::
-
-        >>> payload = CountPayload(1000.5, None, rank=0, more=True, loss_sum=torch.tensor(7.0))
-        >>> unride(payload.tensor(torch.device("cpu"), riding=True, dtype=torch.float32) * 2).tolist()
-        [2001.0, 0.0, 0.0, 0.0, 2.0, 14.0]
-    """
-    decoder = _DECODERS.get(summed.device)
-    if decoder is None:
-        decoder = torch.zeros(RIDE_WIDTH, WIDTH, dtype=torch.float64)
-        for place in range(DIGITS):
-            decoder[Ride.DIGIT0 + place, Slot.ITEMS] = 256.0**place
-        for ride, slot in ((Ride.FRACTION, Slot.ITEMS), (Ride.INVALID, Slot.INVALID), (Ride.MORE, Slot.MORE)):
-            decoder[ride, slot] = 1.0
-        decoder[Ride.LOSS, Slot.LOSS] = 1.0
-        decoder = _DECODERS[summed.device] = decoder.to(summed.device)
-    return summed.double() @ decoder
-
-
-_DECODERS: dict[torch.device, Tensor] = {}
+def on_device(
+    values: Sequence[float], device: torch.device, slot: int, add: Tensor | None, dtype: torch.dtype = torch.float64
+) -> Tensor:
+    """``values`` as a ``dtype`` vector on ``device`` (no host wait), with ``add`` (already there) added at ``slot``."""
+    vector = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        vector = vector.pin_memory()  # a pinned, non-blocking copy keeps the host from waiting
+    vector = vector.to(device, non_blocking=True)
+    if add is not None:
+        vector[slot] += add.to(device=device, dtype=dtype)
+    return vector
 
 
 @dataclass(frozen=True)

@@ -74,9 +74,16 @@ def count_weights(batch: Any, key: str | int) -> Tensor:
 
 @runtime_checkable
 class CountReceiver(Protocol):
-    """A strategy that takes counts from :class:`ItemCounter` and reports each window's result."""
+    """A strategy that takes counts from :class:`ItemCounter` and reports each window's result.
+
+    Attributes:
+        last_window: the result of the last optimizer step's window.
+        counts_ahead: whether the strategy counts each batch itself, on the host, with :meth:`ItemCounter.count_of`
+            (then :meth:`supply_count` is not called).
+    """
 
     last_window: WindowResult | None
+    counts_ahead: bool
 
     def supply_count(self, count: object, integer: bool = False) -> None:
         """Gives the count of the next microbatch."""
@@ -85,8 +92,13 @@ class CountReceiver(Protocol):
 class ItemCounter(Callback):
     """Supplies each microbatch's item count from the batch, and logs the weighted objective of every step.
 
-    With this callback ``training_step`` may return a bare loss (the mean over the microbatch's valid items);
-    a ``"count"`` it returns still takes precedence, and a disagreement between the two is reported once.
+    With this callback ``training_step`` may return a bare loss (the mean over the microbatch's valid items).
+    The strategy then counts every batch on the host, as the loader yields it, before it reaches the device, and
+    sums each window's counts before the window's first forward (see :mod:`lightning_weighted.lookahead`); a
+    ``"count"`` that ``training_step`` still returns must agree with it. Where the batches cannot be counted ahead
+    (several train dataloaders, a ``training_step`` taking ``dataloader_iter``), each microbatch is counted on the
+    device batch before its training step, a returned ``"count"`` takes precedence and a disagreement is reported
+    once.
 
     Args:
         count: what to count: ``"examples"`` (:func:`count_examples`), ``"tokens"`` (:func:`count_tokens`),
@@ -129,12 +141,14 @@ class ItemCounter(Callback):
         if count in ("tokens", "weights") and key is None:
             raise ValueError(f"count={count!r} needs `key=`, the batch key or index of the labels, mask or weights")
         self.count, self.key, self.ignore_index = count, key, ignore_index
-        self.mask, self.shift, self.log, self.imbalance = mask, shift, log, imbalance
+        self.mask, self.shift, self.imbalance = mask, shift, imbalance
+        self.logs = log  # not `self.log`: Lightning sets every callback's `log` to the module's `log` method
         self.integer = count in ("examples", "tokens") if integer is None else integer
         self.items_total = 0.0
         self._loss_epoch = MeanMetric(sync_on_compute=False)  # its inputs are already global
         self._last_step: int | None = None
         self._started: float | None = None  # when the window in progress began
+        self._receiver: CountReceiver | None = None  # the strategy, from `setup`
 
     def count_of(self, batch: Any) -> int | float | Tensor:
         """The count of one microbatch, as the chosen preset or function defines it."""
@@ -149,33 +163,34 @@ class ItemCounter(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if not isinstance(trainer.strategy, CountReceiver):
+        if not isinstance(trainer.strategy, CountReceiver):  # checked once: a Protocol check is slow per batch
             raise ValueError(
                 f"ItemCounter supplies counts to a weighted strategy (`strategy='ddp_weighted'`), but the Trainer"
                 f" uses {type(trainer.strategy).__name__}. Pass `strategy='ddp_weighted'` or drop the callback."
             )
         self._loss_epoch = self._loss_epoch.to(pl_module.device)
+        self._receiver = trainer.strategy
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        assert isinstance(trainer.strategy, CountReceiver)
+        receiver = self._strategy(trainer)
         if self._started is None:
             self._started = time.perf_counter()
-        trainer.strategy.supply_count(self.count_of(batch), integer=self.integer)
+        if not receiver.counts_ahead:  # otherwise counted on the host as the loader yielded it
+            receiver.supply_count(self.count_of(batch), integer=self.integer)
 
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        assert isinstance(trainer.strategy, CountReceiver)
-        window = trainer.strategy.last_window
+        window = self._strategy(trainer).last_window
         if window is None or window.step == self._last_step:
             return  # no optimizer step ended with this batch
         self._last_step = window.step
         self.items_total += window.items
         elapsed = time.perf_counter() - (self._started or math.inf)
         self._started = None
-        if not self.log:
+        if not self.logs:
             return
         # every value below is already global (or deliberately local): no sync_dist, no extra collective
         shown = {"train/items_per_sec": window.items / elapsed if elapsed > 0 else math.nan}
@@ -188,9 +203,14 @@ class ItemCounter(Callback):
         pl_module.log_dict(shown, prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
         pl_module.log_dict(logged, on_step=True, on_epoch=False, batch_size=1)
 
+    def _strategy(self, trainer: Trainer) -> CountReceiver:
+        """The strategy, as `setup` found it (checking the Protocol again on every batch would be slow)."""
+        receiver = self._receiver if self._receiver is not None else trainer.strategy
+        return receiver  # type: ignore[return-value]
+
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.log and self._loss_epoch.update_count > 0:
+        if self.logs and self._loss_epoch.update_count > 0:
             # Already global: `sync_dist` averages equal values (exactly), and keeps Lightning from warning.
             pl_module.log("train/loss_epoch", self._loss_epoch.compute(), sync_dist=True, batch_size=1)
         self._loss_epoch.reset()

@@ -10,7 +10,7 @@ batch left, a flag that rides in the window's count payload (no extra collective
 
 Where every rank holds as many batches, the train loader is left exactly as it is. A ``DataLoader`` that needs
 replays stays the same object (Lightning's worker seeding and worker checks reach it): its class is extended for
-the length of the fit, and restored afterwards.
+the length of the fit, and restored afterwards (:mod:`lightning_weighted._loader`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
+
+from lightning_weighted._loader import extend
 
 __all__ = ["Participation", "UnpaddedDistributedSampler", "participating", "release", "without_padding"]
 
@@ -143,21 +145,17 @@ def participating(loader: Any, participation: Participation, device: torch.devic
             " one loader, whose uneven length the ranks then share with replays."
         )
     replays = _Replays(participation, None if not sized else max(lengths), exchange=min(lengths) <= 0, device=device)
-    if isinstance(loader, DataLoader):
-        loader._lw_replays = replays
-        loader.__class__ = _replaying_class(type(loader))
-    else:
-        loader = _ReplayingIterable(loader, replays)
+    length = replays.length
+    loader = extend(loader, replays.iterate, None if length is None else lambda: length)
     participation.replaying = loader
     return loader
 
 
-def release(participation: Participation) -> None:
-    """Gives the replaying loader back its own class; called when the fit ends."""
+def release(participation: Participation) -> Any:
+    """Forgets the replaying loader (called when the fit ends or the train loaders are set up anew); returns it."""
     loader, participation.replaying, participation.loaders = participation.replaying, None, 0
-    if isinstance(loader, _ReplayingLoader):
-        loader.__class__ = type(loader).__mro__[2]  # the class `_replaying_class` extended
-        del loader._lw_replays
+    participation.new_epoch()
+    return loader
 
 
 class _Replays:
@@ -207,45 +205,6 @@ class _Replays:
         dist.broadcast_object_list(box, src=source)
         if self.template is _END:
             self.template = box[0]
-
-
-class _ReplayingLoader(DataLoader[Any]):
-    """Placed before a ``DataLoader``'s own class for one fit; the instance keeps its attributes and workers."""
-
-    _lw_replays: _Replays
-
-    def __len__(self) -> int:
-        if self._lw_replays.length is None:
-            raise TypeError("this rank's train dataloader has no length")
-        return self._lw_replays.length
-
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator over DataLoader's own iterator
-        return self._lw_replays.iterate(iter(super().__iter__()))
-
-
-def _replaying_class(cls: type[DataLoader[Any]]) -> type[DataLoader[Any]]:
-    """``cls`` extended by ``_ReplayingLoader``, under its own name (one class per loader class)."""
-    if cls not in _REPLAYING:
-        _REPLAYING[cls] = type(cls.__name__, (_ReplayingLoader, cls), {"__module__": cls.__module__})
-    return _REPLAYING[cls]
-
-
-_REPLAYING: dict[type[DataLoader[Any]], type[DataLoader[Any]]] = {}
-
-
-class _ReplayingIterable:
-    """The same for a train "loader" that is not a ``DataLoader`` (any iterable Lightning accepts)."""
-
-    def __init__(self, iterable: Any, replays: _Replays) -> None:
-        self.iterable, self.replays = iterable, replays
-
-    def __len__(self) -> int:
-        if self.replays.length is None:
-            raise TypeError("this rank's train dataloader has no length")
-        return self.replays.length
-
-    def __iter__(self) -> Iterator[Any]:
-        return self.replays.iterate(iter(self.iterable))
 
 
 def without_padding(dataloader: object) -> object:

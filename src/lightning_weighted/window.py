@@ -10,8 +10,9 @@ window, each holding :math:`n_{rm}` valid items whose mean gradient is :math:`\b
 Each rank multiplies microbatch :math:`m`'s loss by :meth:`Window.add`'s scale, so that its accumulated gradient
 is :math:`\sum_m n_{rm} \bar g_{rm} / c_r` (:class:`LossScale` names :math:`c_r`), and sends
 :meth:`Window.payload` to a SUM over ranks. The engine's adapter brings :math:`N` to the gradients (inside DDP's
-communication hook, or as one division of FSDP's gradient shards) and hands the summed payload to
-:meth:`Window.finish`, which gives every rank the same result, or the same error.
+communication hook, as one division of FSDP's gradient shards, or, where the counts are known before the window's
+first forward, in the loss scales themselves) and hands the summed payload to :meth:`Window.finish`, which gives
+every rank the same result, or the same error.
 
 Worked trace: ``w = 10``, per-item loss :math:`\tfrac12 (w - y)^2`; rank 0 holds targets ``[9, 9]``
 (``n = 2``, mean gradient 1), rank 1 holds ``[7] * 6`` (``n = 6``, mean gradient 3).
@@ -24,10 +25,11 @@ microbatch per window, dividing by :math:`N / c_r` is dividing by :math:`P`, pla
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+import torch
 from torch import Tensor
 
 from lightning_weighted._counts import MAX_ITEMS, TRAINER, Count, CountPayload, CountProblem, Wording, decode
@@ -43,10 +45,15 @@ class LossScale(Enum):
     - ``MEAN_SIZED``: :math:`c_r = n^{\mathrm{ref}}_r`, the rank's first positive count of the window: losses stay
       of the size of a mean, for reductions that would overflow with item sums (fp16), and are untouched with
       one microbatch per window.
+    - ``GLOBAL_MEAN``: :math:`c_r = N / P`, the same on every rank: each loss enters its backward weighted as in
+      :math:`g`, times :math:`P`, so a reduction that averages over the :math:`P` ranks (DDP's own) gives :math:`g`
+      with nothing left to divide, at any precision. The window's counts must be summed before its first
+      backward: :meth:`Window.plan` them from the batches ahead, :meth:`Window.receive` their SUM.
     """
 
     ITEM_SUM = "item_sum"
     MEAN_SIZED = "mean_sized"
+    GLOBAL_MEAN = "global_mean"
 
 
 @dataclass(frozen=True)
@@ -85,40 +92,77 @@ class Window:
         (6.0, 24.0)
     """
 
-    __slots__ = ("items", "loss_sum", "problem", "reference", "scale")
+    __slots__ = ("_losses", "items", "problem", "reference", "scale", "total")
 
     def __init__(self, scale: LossScale = LossScale.ITEM_SUM) -> None:
         self.scale = scale
         self.items = 0.0
-        self.reference = 1.0 if scale is LossScale.ITEM_SUM else 0.0  # c_r; 0 until a positive count arrives
+        self.reference: float | Tensor = 1.0 if scale is LossScale.ITEM_SUM else 0.0  # c_r; 0 until known
+        self.total: float | Tensor | None = None  # N, once received (GLOBAL_MEAN)
         self.problem: tuple[CountProblem, float] | None = None
-        self.loss_sum: Tensor | None = None  # Σ_m n_m · loss_m on the loss's device
+        self._losses: list[tuple[Tensor, float]] = []  # (loss, n or 1) per weighted microbatch, kept on the device
 
-    def add(self, count: Count, loss: Tensor | None = None, item_sum: bool = False) -> float:
-        """Records one microbatch; returns the factor its loss is multiplied by (0: it contributes nothing).
+    def plan(self, counts: Iterable[Count]) -> None:
+        """Records the counts of the window's microbatches before its first forward (``GLOBAL_MEAN``)."""
+        for count in counts:
+            self._record(count)
+
+    def receive(self, items: float | Tensor, ranks: int) -> None:
+        """Takes ``N``, the SUM of the planned counts over the ``ranks`` ranks that average the gradients.
+
+        ``N`` may still be on the device (a 0-dim tensor): the factors are then tensors too, and nothing is read.
+        """
+        self.total = items
+        if isinstance(items, Tensor):
+            self.reference = torch.where(items > 0, items, torch.ones_like(items)) / ranks
+        else:
+            self.reference = (items if items > 0 else 1.0) / ranks  # N = 0: every factor is 0 anyway
+
+    def add(self, count: Count, loss: Tensor | None = None, item_sum: bool = False) -> float | Tensor:
+        """Records one microbatch; returns the factor its loss is multiplied by (0.0: it contributes nothing).
 
         Args:
-            count: the microbatch's count; an invalid one is recorded as the window's problem.
+            count: the microbatch's count (under ``GLOBAL_MEAN`` the planned one, or its problem); an invalid one is
+                recorded as the window's problem.
             loss: the microbatch's loss (kept detached for the window's loss, never read on the host).
             item_sum: whether ``loss`` is a sum over the items rather than their mean.
         """
+        if self.scale is not LossScale.GLOBAL_MEAN:
+            weighted = self._record(count)
+        elif self.total is None:
+            raise RuntimeError("the window's planned counts were not summed: call `Window.receive` before `add`")
+        else:
+            weighted = count.problem is None and count.value > 0
+            if count.problem is not None:
+                self.reject(count.problem, count.value)
+        if not weighted:
+            return 0.0  # exactly nothing, also from the NaN mean of a fully masked microbatch
+        as_sum = 1.0 if item_sum else count.value
+        if loss is not None:
+            self._losses.append((loss.detach(), as_sum))
+        return as_sum / self.reference
+
+    @property
+    def loss_sum(self) -> Tensor | None:
+        """``Σ_m n_m · loss_m`` over the weighted microbatches, in float64 on the losses' device (no host read)."""
+        sums = [loss.double().sum() * as_sum for loss, as_sum in self._losses]
+        return torch.stack(sums).sum() if len(sums) > 1 else (sums[0] if sums else None)
+
+    def _record(self, count: Count) -> bool:
+        """Adds a microbatch's items, or its problem; returns whether it has items to weigh."""
         if count.problem is not None:
             self.reject(count.problem, count.value)
-            return 0.0
+            return False
         n = count.value
         if n == 0:
-            return 0.0  # exactly nothing, also from the NaN mean of a fully masked microbatch
+            return False
         if self.items + n >= MAX_ITEMS:
             self.reject(CountProblem.TOO_LARGE, self.items + n)
-            return 0.0
-        if self.reference == 0:
+            return False
+        if self.reference == 0 and self.scale is LossScale.MEAN_SIZED:
             self.reference = n
         self.items += n
-        as_sum = 1.0 if item_sum else n
-        if loss is not None:
-            contribution = loss.detach().double().sum() * as_sum
-            self.loss_sum = contribution if self.loss_sum is None else self.loss_sum + contribution
-        return as_sum / self.reference
+        return True
 
     def reject(self, problem: CountProblem, value: float = math.nan) -> None:
         """Records a microbatch that cannot be weighted; the window reports its first one."""
@@ -133,6 +177,25 @@ class Window:
             more: whether this rank holds real batches after this window (see :mod:`.participation`).
         """
         return CountPayload(self.items, self.problem, rank, more, self.loss_sum)
+
+    def handover(self, following: float, more: bool) -> tuple[list[float], Tensor | None]:
+        """This rank's :class:`~lightning_weighted._counts.Handover` at the end of a ``GLOBAL_MEAN`` window.
+
+        Args:
+            following: the planned items of the next window (0 if there is none).
+            more: whether this rank holds real batches after this window.
+
+        Returns:
+            The handover, and this rank's share of the window's loss (``Σ n·loss / N``, on the device), which
+            belongs in its loss slot.
+        """
+        share: Tensor | None = None
+        total = self.total
+        assert total is not None, "the window's planned counts were not summed: call `Window.receive` first"
+        for loss, as_sum in self._losses:  # N > 0 here: the microbatch was weighted
+            part = (loss if loss.dim() == 0 else loss.sum()) * (as_sum / total)
+            share = part if share is None else share + part
+        return [following, float(self.problem is not None), float(more), 0.0], share
 
     def finish(self, summed: Sequence[float], step: int = 0, wording: Wording = TRAINER) -> WindowResult:
         """The window's result from the SUM of every rank's payload; raises its error, the same on every rank.

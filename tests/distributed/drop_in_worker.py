@@ -7,6 +7,8 @@ Every rank saves what it saw to `<out>.rank<r>` (torch.save). Scenarios:
 - `seeding`: `seed_everything(workers=True)` with `num_workers=2` loader workers drawing random numbers;
 - `subclass`: a `DataLoader` subclass whose `__init__` takes an argument it does not keep, for train, val and test;
 - `combined`: a `CombinedLoader` of two train loaders (2 and 4 batches per rank) in `mode`.
+
+With `counter`, an `ItemCounter` counts the examples of each batch (ahead, where the train loader is one).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Config:
     mode: str = "max_size"  # combined: the CombinedLoader mode
     uneven: bool = False  # seeding, combined: rank 1 holds more items than rank 0
     spawn_workers: bool = False  # seeding: workers started with spawn (Lightning's worker check warns then)
+    counter: bool = False  # seeding, subclass, combined: an ItemCounter counts each batch's examples
 
 
 def classification_data(seed: int, items: int = 64) -> TensorDataset:
@@ -194,6 +197,7 @@ class Record(Callback):
             "params": [p.detach().clone() for p in pl_module.parameters()],
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "loader": type(trainer.train_dataloader).__name__,
+            "counts_ahead": getattr(trainer.strategy, "counts_ahead", None),
         }
 
 
@@ -237,9 +241,10 @@ def main() -> None:
         record.record["after"] = after
     else:
         model = Seen(config)
+        counter = [lightning_weighted.ItemCounter(lambda batch: len(_tensors(batch)[0]), log=False)]
         trainer = Trainer(
             max_epochs=1,
-            callbacks=[record],
+            callbacks=[record, *(counter if config.counter else [])],
             enable_checkpointing=False,
             num_sanity_val_steps=0,
             use_distributed_sampler=config.scenario == "subclass",  # the others hold each rank's own data

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torchmetrics
 from lightning.pytorch import LightningModule
+from reads import to_device, to_host
 from torch import Tensor, nn
 
 Batch = tuple[Tensor, Tensor, Tensor]  # x [B, 3], y [B], w [B] (ones, a 0/1 token mask, or sample weights)
@@ -51,7 +52,7 @@ class Config:
     participation: str = "pad"
     log_sync_dist: bool = False  # self.log(..., sync_dist=True) on every step, a collective inside training_step
     val_items: int | None = None  # a validation set of this many items, scored by a weighted MeanMetric
-    counter: str | None = None  # "mask": ItemCounter counts the mask; "bad": a count_fn that fails on rank 1
+    counter: str | None = None  # "mask" ("quiet": without logging): ItemCounter counts the mask; "bad": fails on rank 1
     bare_loss: bool = False  # training_step returns the mean alone
     merged_from: int | None = None  # world_size 1 holding, as microbatch k, every rank's microbatch k of this size
     checkpoint: bool = False  # save a checkpoint at each epoch end and on an exception
@@ -70,6 +71,10 @@ class Config:
     loss_shape: Sequence[int] | None = None  # the mean reshaped to this one-element shape
     item_sum: bool = False  # return {"loss": Σ w·ℓ, "count": n, "reduction": "sum"}
     no_count: bool = False  # return {"loss": mean}
+    host_reads: bool = False  # batches leave the loader as `reads.HostTensor`s, reach the device as `DeviceTensor`s
+    carry_counts: bool = True  # WeightedDDPStrategy(carry_counts=...)
+    device: str = "cpu"  # "cuda": every rank on cuda:0 (NCCL alone, gloo on CUDA tensors for several)
+    sync_debug: bool = False  # CUDA: torch.cuda.set_sync_debug_mode("error") around microbatches after step 2
 
 
 def make_model(seed: int) -> nn.Module:
@@ -214,10 +219,16 @@ class WeightedModule(LightningModule):
         if self.config.items is not None:
             return DataLoader(shared_dataset(self.config), batch_size=self.config.batch_size, shuffle=True)
         epochs = [make_batches(self.config, self.global_rank, e) for e in range(self.config.epochs)]
+        if self.config.host_reads:
+            epochs = [[to_host(b) for b in e] for e in epochs]
         if self.config.iterable:
             return DataLoader(_EpochStream(epochs, self), batch_size=None)
         per_epoch = len(epochs[0])
         return DataLoader(_EpochList([b for e in epochs for b in e], per_epoch, self), batch_size=None)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        batch = super().transfer_batch_to_device(batch, device, dataloader_idx)
+        return to_device(batch) if self.config.host_reads and self.trainer.training else batch
 
     def configure_optimizers(self) -> Any:
         optimizer = make_optimizer(self.config, self.model.parameters())

@@ -252,7 +252,7 @@ def main() -> None:
         callbacks.append(recorder.audit)  # type: ignore[attr-defined]
     trainer = Trainer(
         strategy=make_strategy(config),
-        accelerator="cpu",
+        accelerator=config.device,
         devices=config.processes,
         max_epochs=config.epochs,
         accumulate_grad_batches=config.accumulate,

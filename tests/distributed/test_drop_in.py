@@ -47,13 +47,17 @@ def _draws(records: list[dict[str, Any]]) -> list[list[float]]:
     return [sorted(v for batch in r["seen"]["train"] for row in batch for v in row) for r in records]
 
 
-@pytest.mark.parametrize(("strategy", "uneven"), [("ddp_weighted", False), ("ddp_weighted", True), ("ddp", False)])
-def test_seeded_loader_workers_draw_differently_on_every_rank(tmp_path, strategy, uneven):
-    records, _ = run(Config(strategy=strategy, scenario="seeding", uneven=uneven), tmp_path)
+@pytest.mark.parametrize(
+    ("strategy", "uneven", "counter"),
+    [("ddp_weighted", False, False), ("ddp_weighted", True, False), ("ddp_weighted", True, True), ("ddp", 0, False)],
+)
+def test_seeded_loader_workers_draw_differently_on_every_rank(tmp_path, strategy, uneven, counter):
+    records, _ = run(Config(strategy=strategy, scenario="seeding", uneven=uneven, counter=counter), tmp_path)
     rank0, rank1 = _draws(records)
     assert rank0 and rank1
     assert not set(rank0) & set(rank1)  # Lightning's worker_init_fn seeds each rank's workers apart
     assert records[0]["fit"]["loader"] == records[1]["fit"]["loader"] == "DataLoader"
+    assert records[0]["fit"]["counts_ahead"] is (None if strategy == "ddp" else counter)
 
 
 def test_lightnings_worker_checks_see_the_train_loader_of_uneven_ranks(tmp_path):
@@ -79,6 +83,17 @@ def test_every_combined_loader_mode_gives_the_batches_plain_ddp_gives(tmp_path, 
         assert mine["fit"]["global_step"] == theirs["fit"]["global_step"]
     if mode == "max_size":
         assert len(weighted[0]["seen"]["train"]) == 4  # the longer loader's 4 batches, the shorter one then None
+
+
+def test_an_item_counter_with_a_combined_loader_counts_the_combined_batch_where_counts_ride(tmp_path):
+    # the batch is whole only once Lightning combines the two loaders: it is counted then, on the device batch
+    weighted, plain = (
+        run(Config(strategy=strategy, scenario="combined", counter=counter), tmp_path / strategy)[0]
+        for strategy, counter in (("ddp_weighted", True), ("ddp", False))
+    )
+    for mine, theirs in zip(weighted, plain, strict=True):
+        assert mine["fit"]["counts_ahead"] is False
+        assert mine["seen"]["train"] == theirs["seen"]["train"]
 
 
 def test_loaders_of_a_combined_loader_that_differ_across_ranks_are_refused_on_every_rank(tmp_path):

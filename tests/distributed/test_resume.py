@@ -6,6 +6,7 @@ import dataclasses
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
 import torch
 from harness import fit
 from scenario import Config, max_relative_error, reference
@@ -18,10 +19,17 @@ def _checkpoint(tmp_path: Path, name: str) -> str:
     return str(path)
 
 
-def test_resuming_from_an_epoch_end_checkpoint_matches_the_uninterrupted_run(tmp_path):
-    uninterrupted = fit(BASE, tmp_path / "u")
-    fit(dataclasses.replace(BASE, epochs=1, checkpoint=True), tmp_path / "a")
-    resumed = fit(dataclasses.replace(BASE, resume=_checkpoint(tmp_path / "a", "epoch=0-step=3.ckpt")), tmp_path / "b")
+@pytest.mark.parametrize("counts_ahead", [False, True])
+def test_resuming_from_an_epoch_end_checkpoint_matches_the_uninterrupted_run(tmp_path, counts_ahead):
+    # counts ahead: an ItemCounter counts the batches; the count carrier's parameter is in no checkpoint
+    base = dataclasses.replace(BASE, counter="quiet", bare_loss=True) if counts_ahead else BASE
+    uninterrupted = fit(base, tmp_path / "u")
+    assert uninterrupted[0]["counts_ahead"] is counts_ahead
+    fit(dataclasses.replace(base, epochs=1, checkpoint=True), tmp_path / "a")
+    saved = torch.load(_checkpoint(tmp_path / "a", "epoch=0-step=3.ckpt"), weights_only=False)
+    assert not [key for key in saved["state_dict"] if "rider" in key]
+    assert len(saved["optimizer_states"][0]["param_groups"][0]["params"]) == len(uninterrupted[0]["params"])
+    resumed = fit(dataclasses.replace(base, resume=_checkpoint(tmp_path / "a", "epoch=0-step=3.ckpt")), tmp_path / "b")
     difference = max(
         float((a - b).abs().max()) for a, b in zip(resumed[0]["params"], uninterrupted[0]["params"], strict=True)
     )

@@ -18,6 +18,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
+from reads import ReadSpy
 from scenario import Config, WeightedModule
 
 import lightning_weighted
@@ -36,9 +37,13 @@ class Recorder(Callback):
         self.validation: list[float] = []
         self.windows: list[tuple[int, float, float]] = []  # (global_step, N, local items) per optimizer step
         self.batches: list[tuple[int, int]] = []
+        self.spy = ReadSpy()  # with `host_reads`: every host read of a tensor during the fit
         self._originals: dict[str, Any] = {}
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.config.host_reads:
+            self.spy.install()
+            self.spy.active = True
         if self.config.join:
             trainer.strategy.model.join().__enter__()  # as a user wrapping the loop in `ddp.join()` would
         if self.config.count_collectives:
@@ -65,7 +70,15 @@ class Recorder(Callback):
         self.steps.append({"norm": norm, "collectives": len(self.collectives)})
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self.spy.active = False
         self.batches.append((trainer.global_step, float(batch[2].sum())))  # the items of this batch, by step
+        self.spy.mark, self.spy.active = (trainer.global_step, len(self.batches) - 1), self.config.host_reads
+        if self.config.sync_debug and trainer.global_step >= 2:  # past DDP's bucket rebuild, which reads once
+            torch.cuda.set_sync_debug_mode("error")  # any device synchronisation from here raises
+
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.config.sync_debug:
+            torch.cuda.set_sync_debug_mode("default")
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         self.padding.append(bool(getattr(trainer.strategy, "padding_step", False)))
@@ -83,6 +96,8 @@ class Recorder(Callback):
         self.steps[-1]["lr"] = optimizer.param_groups[0]["lr"]
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.spy.active = False
+        self.spy.uninstall()
         for name, original in self._originals.items():
             setattr(dist, name, original)
         record = {
@@ -98,6 +113,8 @@ class Recorder(Callback):
             "windows": self.windows,
             "batches": self.batches,
             "comm_hook": trainer.strategy.model._get_ddp_logging_data().get("comm_hook"),
+            "counts_ahead": getattr(trainer.strategy, "counts_ahead", None),
+            "reads": self.spy.reads,
         }
         torch.save(record, f"{self.out}.rank{trainer.global_rank}")
 
@@ -121,9 +138,19 @@ def make_strategy(config: Config) -> Any:
         kwargs["ride_limit_bytes"] = config.ride_limit_bytes
     if config.fp16_backward:  # what `16-mixed` selects on CUDA; on CPU Lightning turns it into bf16-mixed
         kwargs["loss_scale"] = "mean_sized"
+    if not config.carry_counts:
+        kwargs["carry_counts"] = False
     start_method = config.strategy.removeprefix("ddp_weighted" if weighted else "ddp").lstrip("_") or "popen"
     cls = lightning_weighted.WeightedDDPStrategy if weighted else DDPStrategy
-    return cls(start_method=start_method, **kwargs)
+    return cls(start_method=start_method, **device_kwargs(config.device, config.world_size), **kwargs)
+
+
+def device_kwargs(device: str, world_size: int) -> dict[str, Any]:
+    """One GPU holds every rank: NCCL for one rank, gloo on CUDA tensors for several (NCCL refuses two per GPU)."""
+    if device != "cuda":
+        return {}
+    backend = "nccl" if world_size == 1 else "gloo"
+    return {"parallel_devices": [torch.device("cuda", 0)] * world_size, "process_group_backend": backend}
 
 
 def make_counter(config: Config) -> Callback:
@@ -137,7 +164,8 @@ def make_counter(config: Config) -> Callback:
         return lightning_weighted.ItemCounter(count_fn)
     if config.counter == "examples":
         return lightning_weighted.ItemCounter("examples")
-    return lightning_weighted.ItemCounter("tokens", key=2, mask=True)
+    # "quiet": no logging (ItemCounter's `train/imbalance` takes a collective of its own on the steps it logs)
+    return lightning_weighted.ItemCounter("tokens", key=2, mask=True, log=config.counter != "quiet")
 
 
 def rank_arguments(parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
@@ -169,8 +197,8 @@ def main() -> None:
         logger = CSVLogger(f"{args.out}.logs", name="", version="")
     trainer = Trainer(
         strategy=make_strategy(config),
-        accelerator="cpu",
-        devices=config.world_size,
+        accelerator=config.device,
+        devices=1 if config.device == "cuda" else config.world_size,  # on CUDA the list is `parallel_devices`
         max_epochs=config.epochs,
         accumulate_grad_batches=1 if config.schedule is not None else config.accumulate,
         precision=config.precision,  # type: ignore[arg-type]

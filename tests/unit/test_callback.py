@@ -103,7 +103,7 @@ def test_items_per_sec_is_measured_over_the_step_not_since_the_callback_was_buil
     time.sleep(0.5)  # the callback is built long before training starts
     logged: dict[str, float] = {}
     module = SimpleNamespace(device=torch.device("cpu"), log_dict=lambda values, **_: logged.update(values))
-    strategy = SimpleNamespace(last_window=None, supply_count=lambda *_, **__: None)
+    strategy = SimpleNamespace(last_window=None, counts_ahead=False, supply_count=lambda *_, **__: None)
     trainer = SimpleNamespace(strategy=strategy, logger=None, global_step=0)
     counter.on_train_batch_start(trainer, module, torch.zeros(4, 2), 0)  # type: ignore[arg-type]
     strategy.last_window = WindowResult(step=0, items=1000.0, local_items=400.0, loss=0.5)

@@ -45,7 +45,7 @@ def test_trainer_builds_the_strategy_from_its_name(name):
 
 def test_public_names_are_exactly_all():
     public = {name for name in vars(lightning_weighted) if not name.startswith("_")}
-    modules = {"audit", "counting", "fabric", "participation", "reduce", "strategies", "window"}
+    modules = {"audit", "counting", "fabric", "lookahead", "participation", "reduce", "strategies", "window"}
     assert set(lightning_weighted.__all__) == public - modules - {"StrategyRegistry"}
     assert lightning_weighted.__all__ == sorted(lightning_weighted.__all__)
 

@@ -12,20 +12,17 @@ from hypothesis import strategies as st
 
 from lightning_weighted._counts import (
     MAX_ITEMS,
-    MAX_RIDING_RANKS,
-    RIDE_WIDTH,
     Count,
     CountPayload,
     CountProblem,
-    Ride,
     Slot,
     count_of,
     decode,
     read_count,
     split_output,
-    unride,
 )
 from lightning_weighted.reduce.ddp_hook import WeightedReduceState
+from lightning_weighted.reduce.riding import MAX_RIDING_RANKS, RIDE_WIDTH, Ride, riding, unride
 from lightning_weighted.window import LossScale, Window
 
 CPU = torch.device("cpu")
@@ -37,23 +34,32 @@ def _sum(payloads: list[CountPayload]) -> list[float]:
 
 
 def _windows(counts: list[list[float]], scale: LossScale = LossScale.ITEM_SUM) -> list[tuple[Window, list[float]]]:
-    """One window per rank, with the loss factor of each of its microbatches."""
-    result = []
-    for rank_counts in counts:
-        window = Window(scale)
-        result.append((window, [window.add(Count(n)) for n in rank_counts]))
-    return result
+    """One window per rank, with the loss factor of each of its microbatches.
+
+    ``GLOBAL_MEAN`` windows are planned first and receive the SUM of their planned items, as counts ahead do.
+    """
+    windows = [Window(scale) for _ in counts]
+    if scale is LossScale.GLOBAL_MEAN:
+        for window, rank_counts in zip(windows, counts, strict=True):
+            window.plan(Count(n) for n in rank_counts)
+        for window in windows:
+            window.receive(sum(w.items for w in windows), ranks=len(windows))
+    return [(w, [w.add(Count(n)) for n in c]) for w, c in zip(windows, counts, strict=True)]
 
 
 def _synchronized_gradient(counts: list[list[float]], mean_grads: list[list[float]], scale: LossScale) -> float:
-    """Plays an engine for a scalar parameter: scaled microbatch gradients, one SUM, one division by N / c_r."""
+    """Plays an engine for a scalar parameter: scaled microbatch gradients, one SUM, one division by N / c_r
+    (``GLOBAL_MEAN``: nothing to divide, the reduction averages over the ranks, as DDP's own does)."""
     windows = _windows(counts, scale)
     summed = _sum([window.payload(rank) for rank, (window, _) in enumerate(windows)])
     items = decode(summed).items
     total = 0.0
     for (window, factors), grads in zip(windows, mean_grads, strict=True):
         local = sum(f * g for f, g in zip(factors, grads, strict=True))  # Σ_m n_m ḡ_m / c_r
-        total += local / ((items or 1.0) / (window.reference or 1.0))
+        if scale is LossScale.GLOBAL_MEAN:
+            total += local / len(windows)
+        else:
+            total += local / ((items or 1.0) / (window.reference or 1.0))
     return total
 
 
@@ -271,7 +277,7 @@ def _ride_sum(payloads: list[CountPayload], dtype: torch.dtype = torch.float32) 
     """What the SUM all-reduce of payloads riding in a bucket of ``dtype`` gives, as the float64 payload."""
     summed = torch.zeros(RIDE_WIDTH, dtype=dtype)
     for payload in payloads:  # one rank after another, each partial sum rounded to `dtype` as a ring would
-        summed += payload.tensor(CPU, riding=True, dtype=dtype)
+        summed += riding(payload, CPU, dtype)
     return unride(summed).tolist()
 
 
@@ -308,7 +314,7 @@ def test_an_invalid_count_rides_as_a_flag_and_its_details_are_left_to_float64():
     bad.reject(CountProblem.NEGATIVE, -3.0)
     summed = _ride_sum([bad.payload(1)])
     assert summed[Slot.INVALID] == 1.0 and summed[Slot.CODE] == summed[Slot.VALUE] == 0.0
-    assert bad.payload(1).riding()[Ride.INVALID] == 1.0
+    assert riding(bad.payload(1), CPU, torch.float32)[Ride.INVALID] == 1.0
 
 
 def test_a_window_count_beyond_2_to_the_53_is_rejected_rather_than_rounded():

@@ -129,6 +129,7 @@ class FabricAdapter(ParallelStrategy):
             more = self._participation is None or self._participation.has_more()
             group = self._count_group()
             rank = self.global_rank if group is None else dist.get_group_rank(group, self.global_rank)
+            assert isinstance(window.reference, float)  # Fabric's windows are never planned ahead
             self._start_sync(window.payload(rank, more), window.reference)
         elif syncs:
             self._hold()
@@ -218,14 +219,16 @@ def _ends_window(syncs: bool, window_end: bool | None, reduction: str) -> bool:
 def _record(window: Window, loss: Tensor, count: object, item_sum: bool, replay: bool) -> float:
     """Records one microbatch in the window; returns its loss factor (0: it contributes nothing)."""
     if replay:
-        return window.add(Count(0.0))  # a replayed batch of an exhausted rank
+        return 0.0  # a replayed batch of an exhausted rank: its count is 0
     if loss.grad_fn is None:
         window.reject(CountProblem.NO_GRAPH)
         return 0.0
     if count is None:
         window.reject(CountProblem.MISSING)
         return 0.0
-    return window.add(Count(*read_count(count)), loss, item_sum)
+    factor = window.add(Count(*read_count(count)), loss, item_sum)
+    assert isinstance(factor, float)  # a window planned ahead would give a device tensor
+    return factor
 
 
 def _still_open(what: str) -> RuntimeError:

@@ -16,7 +16,7 @@ from lightning_weighted._counts import CountPayload
 from lightning_weighted.fabric._adapter import FabricAdapter
 from lightning_weighted.participation import Policy
 from lightning_weighted.reduce.ddp_hook import RIDE_LIMIT_BYTES, WeightedReduceState, weighted_allreduce_hook
-from lightning_weighted.strategies._trainer import zero_loss
+from lightning_weighted.strategies._zero import zero_loss
 from lightning_weighted.strategies.ddp import _fp16_backward
 from lightning_weighted.window import LossScale
 

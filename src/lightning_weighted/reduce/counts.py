@@ -1,4 +1,4 @@
-"""The window's count payload summed on its own: one float64 all-reduce, started without waiting."""
+"""Count payloads summed on their own: one float64 all-reduce each, started without waiting."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from lightning_weighted._counts import CountPayload
+from lightning_weighted._counts import CountPayload, on_device
 
-__all__ = ["sum_counts"]
+__all__ = ["start_sum", "sum_counts"]
 
 
 def sum_counts(
@@ -24,3 +24,16 @@ def sum_counts(
     assert work is not None
     future: Future[torch.Tensor] = work.get_future().then(lambda _: summed)
     return future
+
+
+def start_sum(
+    values: list[float], device: torch.device, add: torch.Tensor | None = None, group: dist.ProcessGroup | None = None
+) -> tuple[torch.Tensor, dist.Work]:
+    """Starts the SUM over ``group`` of a float64 vector (``add``, already on the device, added at its last place).
+
+    Returns the vector, which holds the SUM once the returned work is waited on.
+    """
+    summed = on_device(values, device, len(values) - 1, add)
+    work = dist.all_reduce(summed, group=group, async_op=True)
+    assert work is not None
+    return summed, work

@@ -24,8 +24,9 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket
 from torch.futures import Future
 
-from lightning_weighted._counts import MAX_RIDING_RANKS, RIDE_WIDTH, CountPayload, Slot, unride
+from lightning_weighted._counts import CountPayload, Slot
 from lightning_weighted.reduce.counts import sum_counts
+from lightning_weighted.reduce.riding import MAX_RIDING_RANKS, RIDE_WIDTH, riding, unride
 
 __all__ = ["RIDE_LIMIT_BYTES", "WeightedReduceState", "weighted_allreduce_hook"]
 
@@ -180,7 +181,7 @@ class WeightedReduceState:
         if sent is None or (sent.numel(), sent.dtype, sent.device) != (size + RIDE_WIDTH, buffer.dtype, buffer.device):
             sent = self._sent = torch.empty(size + RIDE_WIDTH, dtype=buffer.dtype, device=buffer.device)
         torch.mul(buffer, self._reference or 1.0, out=sent[:size])  # back to item sums: c_r · Σ n ḡ / c_r
-        sent[size:] = payload.tensor(buffer.device, riding=True, dtype=buffer.dtype)
+        sent[size:] = riding(payload, buffer.device, buffer.dtype)
 
         def unpack(future: Future[list[torch.Tensor]]) -> torch.Tensor:
             summed = future.value()[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -13,21 +14,33 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_weighted._counts import Count, CountPayload, CountProblem, count_of, read_count, split_output
+from lightning_weighted._counts import (
+    Count,
+    CountPayload,
+    CountProblem,
+    Slot,
+    agreed,
+    count_of,
+    read_count,
+    split_output,
+)
 from lightning_weighted._patch import patched
-from lightning_weighted.participation import Participation, Policy, participating, release, without_padding
+from lightning_weighted.lookahead import BatchCounter
+from lightning_weighted.participation import Participation, Policy
+from lightning_weighted.reduce.counts import start_sum, sum_counts
+from lightning_weighted.strategies._ahead import WindowsAhead
+from lightning_weighted.strategies._loaders import LOADER_BARRIERS, FitLoaders
+from lightning_weighted.strategies._zero import zero_loss
 from lightning_weighted.window import LossScale, Window, WindowResult
 
-__all__ = ["LOADER_BARRIERS", "TrainerAdapter", "zero_loss"]
-
-# Lightning names the barrier it passes right before processing a dataloader after that dataloader's hook.
-LOADER_BARRIERS = {"train_dataloader()": "train", "val_dataloader()": "val", "test_dataloader()": "test"}
+__all__ = ["LOADER_BARRIERS", "TrainerAdapter"]
 
 
 class TrainerAdapter(ParallelStrategy):
@@ -37,6 +50,11 @@ class TrainerAdapter(ParallelStrategy):
     the window's counts meet their gradients: :meth:`_loss_scale`, :meth:`_start_sync` (before the backward that
     ends a window), :meth:`_summed_counts` (after it), and optionally :meth:`_normalize`, :meth:`_zero_loss` and
     :meth:`_count_group` (the ranks whose counts are summed, when not all of them).
+
+    Counts ahead: where a :class:`~lightning_weighted.lookahead.BatchCounter` (``ItemCounter``) counts the batches
+    and the engine's reduction averages the gradients unaided (:meth:`_averages`), every window is planned before
+    its first forward and its losses scaled by ``P n / N`` (``LossScale.GLOBAL_MEAN``, see ``_ahead.py``); the
+    engine then only carries each window's handover (:meth:`_hand_over`, :meth:`_handed_over`).
     """
 
     strategy_name: str
@@ -46,19 +64,23 @@ class TrainerAdapter(ParallelStrategy):
         self.skipped_steps = 0
         self.padding_step = False
         self.last_window: WindowResult | None = None
+        self.counts_ahead = False  # whether this fit takes each window's counts from its batches ahead
         self._participation = Participation(participation)
+        self._loaders = FitLoaders(self._participation)
+        self._ahead: WindowsAhead | None = None  # where counts ahead are possible
         self._window: Window | None = None
-        self._factor = 0.0  # the current microbatch's loss multiplier
+        self._factor: float | Tensor = 0.0  # the current microbatch's loss multiplier
         self._supplied: tuple[object, bool] | None = None  # the next microbatch's count, from `ItemCounter`
         self._ends_window = False  # inside `optimizer_step`: the next backward ends the window
+        self._batch_idx = 0
         self._skip_schedulers = False
-        self._loading = ""
+        self._handover: tuple[Tensor, Any] | None = None  # a handover's SUM in flight (the default carriage)
         self._said: set[str] = set()  # notices already given
         self._patches = contextlib.ExitStack()
 
     # ------------------------------------------------------------------------------------------- engine hooks
     def _loss_scale(self) -> LossScale:
-        """What microbatch losses are scaled to; read once per window."""
+        """What microbatch losses are scaled to where counts ride; read once per window."""
         return LossScale.ITEM_SUM
 
     def _start_sync(self, payload: CountPayload, reference: float) -> None:
@@ -81,6 +103,31 @@ class TrainerAdapter(ParallelStrategy):
         """The group a window's counts are summed over: the ranks that see different data (``None``: all)."""
         return None
 
+    def _averages(self) -> bool:
+        """Whether the engine's reduction, left without a hook, averages the gradients over the counting ranks."""
+        return False
+
+    def _choose(self, ahead: bool) -> None:
+        """Sets the engine up for counts ahead or not; runs once training starts, the same on every rank."""
+
+    def _hand_over(self, handover: list[float], share: Tensor | None) -> None:
+        """Starts the SUM of this rank's handover right before the backward that ends a window (counts ahead).
+
+        ``share`` (on the device) belongs in the handover's loss slot. By default one float64 all-reduce.
+        """
+        self._handover = start_sum(handover, self.root_device, share)
+
+    def _handed_over(self, also: Tensor | None = None) -> list[float]:
+        """The SUM of every rank's handover after the backward that ends the window, on the host (one read).
+
+        ``also``, a 0-dim tensor on the device, is read along and appended.
+        """
+        assert self._handover is not None
+        (summed, work), self._handover = self._handover, None
+        work.wait()
+        values: list[float] = (summed if also is None else torch.cat([summed, also.double().reshape(1)])).tolist()
+        return values
+
     # ------------------------------------------------------------------------------------------- Lightning hooks
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -91,6 +138,12 @@ class TrainerAdapter(ParallelStrategy):
                 f" {self.strategy_name} does not weight. Use automatic optimization, or a plain strategy and scale"
                 " the loss yourself."
             )
+        counter = next((c for c in trainer.callbacks if isinstance(c, BatchCounter)), None)  # type: ignore[attr-defined]
+        fetches_itself = is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True)
+        if counter is not None and self._averages() and not fetches_itself:
+            start = partial(start_sum, device=self.root_device)
+            self._ahead = WindowsAhead(counter, self._participation, self.world_size, self._window_size, start)
+            self._loaders.lookahead = self._ahead.lookahead
         super().setup(trainer)
         # No Strategy hook fits either: Lightning ends an epoch only when the module's `on_train_batch_start`
         # returns -1 (the strategy's return is ignored), and steps LR schedulers through the module's
@@ -106,32 +159,31 @@ class TrainerAdapter(ParallelStrategy):
     @override
     def teardown(self) -> None:
         self._patches.close()
-        release(self._participation)
+        self._loaders.release()
         super().teardown()
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        self._loading = LOADER_BARRIERS.get(name or "", "")
-        if self._loading == "train":
-            release(self._participation)  # the train loaders are set up anew
+        self._loaders.at_barrier(name)
         super().barrier(name)  # type: ignore[safe-super]  # the engine's strategy, next in the MRO
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        # Lightning processes each loader of a CombinedLoader in turn after one barrier.
-        stage = self._loading
-        if not stage:
-            return dataloader
-        dataloader = without_padding(dataloader)
-        if stage != "train":
-            return dataloader
-        return participating(dataloader, self._participation, self.root_device)
+        return self._loaders.process(dataloader, self.root_device, self.strategy_name)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        ahead = self._ahead is not None and self._loaders.alone(trainer.train_dataloader)
+        self.counts_ahead = self._loaders.ahead = ahead
+        self._choose(self.counts_ahead)
 
     def supply_count(self, count: object, integer: bool = False) -> None:
         """Gives the count of the next microbatch, for a ``training_step`` that does not return one.
 
-        Called by :class:`~lightning_weighted.ItemCounter` before each training step. A ``"count"`` returned by
-        ``training_step`` takes precedence.
+        Called by :class:`~lightning_weighted.ItemCounter` before each training step where counts are not taken
+        ahead. A ``"count"`` returned by ``training_step`` takes precedence.
 
         Args:
             count: the number of valid items of the microbatch (or the sum of its sample weights).
@@ -155,8 +207,11 @@ class TrainerAdapter(ParallelStrategy):
         if problem is not None or loss.grad_fn is None:
             window.reject(problem or CountProblem.NO_GRAPH)
             return output
-        count = count_of(output, args[0], supplied)
-        self._notice(count, supplied)
+        if self._ahead is not None and self.counts_ahead:
+            count = agreed(output, self._ahead.count)
+        else:
+            count = count_of(output, args[0], supplied)
+            self._notice(count, supplied)
         self._factor = window.add(count, loss, item_sum)
         return output
 
@@ -165,15 +220,23 @@ class TrainerAdapter(ParallelStrategy):
         assert self.lightning_module is not None
         # Undo Lightning's `loss / accumulate_grad_batches`, then weight the microbatch.
         factor = self._factor * self.lightning_module.trainer.accumulate_grad_batches
-        if factor == 0:
+        if isinstance(factor, Tensor):  # on the device (an epoch's first window, counted ahead): never compared
+            closure_loss = closure_loss * factor
+        elif factor == 0:
             closure_loss = self._zero_loss(closure_loss)
         elif factor != 1:
             closure_loss = closure_loss * factor
         if self._ends_window:
             window = self._window or Window(self._loss_scale())
-            group = self._count_group()
-            rank = self.global_rank if group is None else dist.get_group_rank(group, self.global_rank)
-            self._start_sync(window.payload(rank, self._participation.has_more()), window.reference)
+            more = self._participation.has_more()
+            if self._ahead is not None and self.counts_ahead:
+                following = self._ahead.plan_following(self._batch_idx)
+                self._hand_over(*window.handover(following, more))
+            else:
+                assert isinstance(window.reference, float)  # riding windows never wait for their N
+                group = self._count_group()
+                rank = self.global_rank if group is None else dist.get_group_rank(group, self.global_rank)
+                self._start_sync(window.payload(rank, more), window.reference)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
@@ -201,8 +264,15 @@ class TrainerAdapter(ParallelStrategy):
         """Reads the window's global count (one host read per optimizer step) and acts on it on every rank."""
         assert self.lightning_module is not None
         step = self.lightning_module.trainer.global_step
-        window, self._window = self._window or Window(self._loss_scale()), None
-        result = self.last_window = window.finish(self._summed_counts(), step)
+        if self._ahead is not None and self.counts_ahead:
+            window, summed = self._ahead.end_window(self._handed_over)
+            self._window = self._ahead.window
+            if summed[Slot.INVALID] > 0:  # which rank and which value: one more SUM, on every rank alike
+                summed = sum_counts(window.payload(self.global_rank, False), self.root_device).wait().tolist()
+        else:
+            window, self._window = self._window or Window(self._loss_scale()), None
+            summed = self._summed_counts()
+        result = self.last_window = window.finish(summed, step)
         self._participation.after_window(result.ranks_with_more, self.root_device, self._count_group())
         if result.items > 0:
             self._normalize(result.items)
@@ -215,6 +285,12 @@ class TrainerAdapter(ParallelStrategy):
             f"The global item count of the window ending at step {step} is 0: the optimizer and step-interval LR"
             " schedulers were not stepped."
         )
+
+    def _window_size(self, batch_idx: int) -> int:
+        """How many batches Lightning accumulates into the window that would start at ``batch_idx``."""
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        accumulate = trainer.accumulate_grad_batches
+        return int(max(0, min(accumulate - batch_idx % accumulate, trainer.num_training_batches - batch_idx)))
 
     def _notice(self, count: Count, supplied: tuple[object, bool] | None) -> None:
         if count.implicit and "implicit" not in self._said:
@@ -244,6 +320,9 @@ class TrainerAdapter(ParallelStrategy):
             if self._participation.stop:
                 return -1  # every rank is out of data: Lightning ends the epoch here, on every rank
             self.padding_step = self._participation.begin_batch(batch_idx)
+            self._batch_idx = batch_idx
+            if self._ahead is not None and self.counts_ahead:
+                self._window = self._ahead.begin_batch(batch_idx)
             return hook(batch, batch_idx)
 
         return on_train_batch_start
@@ -257,33 +336,3 @@ class TrainerAdapter(ParallelStrategy):
             step(scheduler, metric)
 
         return lr_scheduler_step
-
-
-def zero_loss(loss: Tensor | None, module: Module) -> Tensor:
-    """An exact zero that reaches the parameters ``loss`` depends on (all trainable ones if it has no graph).
-
-    Backpropagating ``0 * loss`` through a fully masked mean sends ``0 * (1/0) = NaN`` into the gradient;
-    touching the parameters directly gives DDP the same set of ready parameters and exact zeros.
-    """
-    if loss is not None and loss.grad_fn is not None:
-        params = _graph_parameters(loss)
-    else:
-        params = [param for param in module.parameters() if param.requires_grad]
-    return torch.stack([param.sum().float() * 0.0 for param in params]).sum()
-
-
-def _graph_parameters(loss: Tensor) -> list[Tensor]:
-    """The leaf tensors that require grad and that ``loss`` was computed from."""
-    params: list[Tensor] = []
-    seen: set[Any] = set()
-    stack = [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if isinstance(variable, Tensor):
-            params.append(variable)
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return params

@@ -13,11 +13,14 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import _augment_message
 from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import Tensor
+from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_weighted._counts import CountPayload
 from lightning_weighted.participation import Policy
+from lightning_weighted.reduce.carrier import Carrier, fits
 from lightning_weighted.reduce.ddp_hook import RIDE_LIMIT_BYTES, WeightedReduceState, weighted_allreduce_hook
 from lightning_weighted.strategies._trainer import TrainerAdapter
 from lightning_weighted.window import LossScale
@@ -36,6 +39,17 @@ class WeightedDDPStrategy(TrainerAdapter, DDPStrategy):
     :mod:`lightning_weighted.window`, whatever the counts on each rank and the number of microbatches in the
     window; Lightning's division by ``accumulate_grad_batches`` is undone.
 
+    How the counts meet the gradients is decided when training starts, the same on every rank:
+
+    - **Counts ahead**, with an ``ItemCounter`` and one train dataloader: every batch is counted on the host as
+      the loader yields it, each window's batches are fetched before its first forward, and every loss is scaled
+      by ``P n / N`` before its backward (``LossScale.GLOBAL_MEAN``). DDP's own reducer does the rest: no
+      communication hook, no collective of the strategy's own per step (each window hands the next one its ``N``
+      in the gradient all-reduce, through one extra parameter, :class:`~lightning_weighted.reduce.carrier.Carrier`),
+      no count read from the device, one host read per optimizer step.
+    - **Riding counts** otherwise (counts known only once ``training_step`` has run): the strategy's
+      communication hook (:mod:`lightning_weighted.reduce.ddp_hook`) SUMs every bucket and divides it by ``N``.
+
     - A microbatch with ``n = 0`` contributes exactly zero, also when its mean is NaN (0/0).
     - A window whose global ``N`` is 0 changes nothing: the optimizer and step-interval LR schedulers are
       not stepped, on every rank alike, and rank 0 warns. ``skipped_steps`` counts such windows.
@@ -47,11 +61,15 @@ class WeightedDDPStrategy(TrainerAdapter, DDPStrategy):
             the hook is this strategy's own, registered on CPU (gloo) and CUDA (NCCL) alike.
         participation: ``"pad"`` lets a rank whose data ran out step with count 0 until every rank is done;
             ``"strict"`` raises instead (see :mod:`lightning_weighted.participation`).
-        loss_scale: ``"item_sum"`` or ``"mean_sized"`` (see :class:`~lightning_weighted.window.LossScale`); by
-            default item sums, and mean-sized losses where fp16 computes the backward or bf16/fp16 gradients keep
-            the counts from riding.
+        loss_scale: where counts ride, ``"item_sum"`` or ``"mean_sized"`` (see
+            :class:`~lightning_weighted.window.LossScale`); by default item sums, and mean-sized losses where fp16
+            computes the backward or bf16/fp16 gradients keep the counts from riding.
         ride_limit_bytes: the largest first gradient bucket the counts ride in (see
             :class:`~lightning_weighted.WeightedReduceState`).
+        carry_counts: with counts ahead, whether each window's handover rides in the gradient all-reduce (where
+            :func:`~lightning_weighted.reduce.carrier.fits` says it stays exact) or takes its own 32-byte float64
+            all-reduce, started before the syncing backward. ``False`` keeps ``trainer.model.module`` the
+            ``LightningModule`` itself.
         **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy`'s keyword arguments.
 
     Example::
@@ -71,6 +89,7 @@ class WeightedDDPStrategy(TrainerAdapter, DDPStrategy):
         participation: Policy = "pad",
         loss_scale: Literal["item_sum", "mean_sized"] | None = None,
         ride_limit_bytes: int = RIDE_LIMIT_BYTES,
+        carry_counts: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, participation=participation, **kwargs)
@@ -83,6 +102,8 @@ class WeightedDDPStrategy(TrainerAdapter, DDPStrategy):
                 )
         self._scale = None if loss_scale is None else LossScale(loss_scale)
         self._reduce_state = WeightedReduceState(ride_limit_bytes=ride_limit_bytes)
+        self._carry = carry_counts
+        self._carrier: Carrier | None = None
 
     @classmethod
     @override
@@ -123,7 +144,25 @@ class WeightedDDPStrategy(TrainerAdapter, DDPStrategy):
         super().setup(trainer)
 
     @override
+    def _setup_model(self, model: Module) -> DistributedDataParallel:
+        dtypes = [param.dtype for param in model.parameters() if param.requires_grad]
+        dtype = max(set(dtypes), key=dtypes.count) if dtypes else torch.float32
+        if self._ahead is not None and self._carry and fits(dtype, self.world_size):
+            # each window's handover rides in the gradients' bucket all-reduce (see `reduce/carrier.py`)
+            model = self._carrier = Carrier(model, dtype, self.root_device, self.world_size)
+        return super()._setup_model(model)
+
+    @override
     def _register_ddp_hooks(self) -> None:
+        if self._ahead is None:
+            self._register_riding_hook()  # otherwise when training starts, if the counts cannot be taken ahead
+
+    @override
+    def _choose(self, ahead: bool) -> None:
+        if not ahead and self._ahead is not None:
+            self._register_riding_hook()
+
+    def _register_riding_hook(self) -> None:
         # `DDPStrategy` registers comm hooks on CUDA only; ours is needed wherever DDP reduces.
         assert isinstance(self.model, DistributedDataParallel)
         dtypes = [param.dtype for param in self.model.parameters() if param.requires_grad]
@@ -144,6 +183,8 @@ class WeightedDDPStrategy(TrainerAdapter, DDPStrategy):
                 " uneven inputs matched itself (participation='pad'), and join's shadow collectives would pair with"
                 " the count reduction. Remove the join() context."
             )
+        if self._carrier is not None:
+            self._carrier.arm(self._ends_window)  # the syncing microbatch's loss brings the rider along
         return super().training_step(*args, **kwargs)
 
     @override
@@ -159,12 +200,41 @@ class WeightedDDPStrategy(TrainerAdapter, DDPStrategy):
         return self._scale or LossScale.ITEM_SUM
 
     @override
+    def _averages(self) -> bool:
+        return True  # without a communication hook, DDP's reducer divides by the world size as it fills a bucket
+
+    @override
+    def _zero_loss(self, loss: Tensor | None) -> Tensor:
+        zero = super()._zero_loss(loss)
+        if self._carrier is not None and self._carrier.active and (loss is None or loss.grad_fn is None):
+            zero = zero + self._carrier.term()  # a loss without a graph never met the rider in the forward
+        return zero
+
+    @override
     def _start_sync(self, payload: CountPayload, reference: float) -> None:
         self._reduce_state.begin_window(payload, reference, self.root_device)
 
     @override
     def _summed_counts(self) -> list[float]:
+        if self._carrier is not None:
+            self._carrier.rider.grad = None  # it carried nothing: the counts ride in the hook
         return self._reduce_state.counts()
+
+    @override
+    def _hand_over(self, handover: list[float], share: Tensor | None) -> None:
+        if self._carrier is None:
+            super()._hand_over(handover, share)
+        else:
+            self._carrier.load(handover, share)
+
+    @override
+    def _handed_over(self, also: Tensor | None = None) -> list[float]:
+        if self._carrier is None:
+            return super()._handed_over(also)
+        summed = self._carrier.read(also)
+        if summed is None:
+            raise RuntimeError(_NO_RIDER)
+        return summed
 
 
 _UNUSED_PARAMETERS = (
@@ -172,6 +242,13 @@ _UNUSED_PARAMETERS = (
     " training_step. If this is intentional, enable the detection of unused parameters in DDP, either with the"
     " strategy name `strategy='ddp_weighted_find_unused_parameters_true'` or with"
     " `strategy=WeightedDDPStrategy(find_unused_parameters=True)`."
+)
+
+
+_NO_RIDER = (
+    "no gradient reached the count carrier in the backward that ended this window: ddp_weighted takes the"
+    " window's counts from its batches ahead (ItemCounter) and brings them back through DDP's own reduction, which"
+    " needs the loss returned by training_step to go through the strategy's backward"
 )
 
 
