@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import torch._dynamo
 from lightning.fabric.strategies.ddp import DDPStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from torch import Tensor
@@ -15,9 +14,15 @@ from typing_extensions import override
 from lightning_weighted._counts import CountPayload
 from lightning_weighted.fabric._adapter import FabricAdapter
 from lightning_weighted.participation import Policy
-from lightning_weighted.reduce.ddp_hook import RIDE_LIMIT_BYTES, WeightedReduceState, weighted_allreduce_hook
+from lightning_weighted.reduce.ddp_hook import (
+    PYTHON_REDUCER,
+    RIDE_LIMIT_BYTES,
+    WeightedReduceState,
+    fp16_backward,
+    python_reducer,
+)
 from lightning_weighted.strategies._zero import zero_loss
-from lightning_weighted.strategies.ddp import _fp16_backward
+from lightning_weighted.strategies.ddp import LAUNCHERS, register_launchers
 from lightning_weighted.window import LossScale
 
 __all__ = ["WeightedFabricDDPStrategy"]
@@ -81,22 +86,8 @@ class WeightedFabricDDPStrategy(FabricAdapter, DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        entries: tuple[tuple[str, str, dict[str, Any]], ...] = (
-            ("ddp_weighted", "popen", {}),
-            ("ddp_weighted_spawn", "spawn", {}),
-            ("ddp_weighted_fork", "fork", {}),
-            ("ddp_weighted_notebook", "fork", {}),
-            ("ddp_weighted_find_unused_parameters_true", "popen", {"find_unused_parameters": True}),
-        )
-        for name, start_method, extra in entries:
-            strategy_registry.register(
-                name,
-                cls,
-                description=f"Count-weighted Fabric DDP with `start_method` '{start_method}' {extra or ''}".strip(),
-                override=True,  # importing twice leaves the registry as it was
-                start_method=start_method,
-                **extra,
-            )
+        launchers = (*LAUNCHERS, ("ddp_weighted_notebook", "fork", {}))  # Fabric names a notebook launcher too
+        register_launchers(strategy_registry, cls, launchers, "Count-weighted Fabric DDP")
 
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
@@ -105,20 +96,10 @@ class WeightedFabricDDPStrategy(FabricAdapter, DDPStrategy):
                 f"{type(self).__name__} weights the gradients of one model, and a second one was set up. Set up"
                 " the trained modules as one `nn.Module` (a container of both), or use `strategy='ddp'`."
             )
-        if str(getattr(torch._dynamo.config, "optimize_ddp", "")).startswith("python_reducer"):
-            raise RuntimeError(
-                "`torch._dynamo.config.optimize_ddp='python_reducer'` reduces gradients outside DDP's communication"
-                " hook, so ddp_weighted could not weight them. Use the default `optimize_ddp=True`, or"
-                " `strategy='ddp'`."
-            )
+        if python_reducer():
+            raise RuntimeError(PYTHON_REDUCER)
         ddp = self._ddp = super().setup_module(module)
-        dtypes = [param.dtype for param in ddp.parameters() if param.requires_grad]
-        self._reduce_state.rides = WeightedReduceState.can_ride(dtypes, self.world_size)
-        if self._scale is None:
-            # As in the Trainer's strategy: item sums when the counts ride, unless fp16 computes the backward.
-            item_sums = self._reduce_state.rides and not _fp16_backward(self.precision)
-            self._scale = LossScale.ITEM_SUM if item_sums else LossScale.MEAN_SIZED
-        ddp.register_comm_hook(self._reduce_state, weighted_allreduce_hook)
+        self._scale = self._reduce_state.register(ddp, self._scale, fp16_backward(self.precision))
         return ddp
 
     @override

@@ -20,15 +20,25 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch._dynamo
 import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket
 from torch.futures import Future
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_weighted._counts import CountPayload, Slot
 from lightning_weighted.reduce.counts import sum_counts
 from lightning_weighted.reduce.riding import MAX_RIDING_RANKS, RIDE_WIDTH, riding, unride
+from lightning_weighted.window import LossScale
 
-__all__ = ["RIDE_LIMIT_BYTES", "WeightedReduceState", "weighted_allreduce_hook"]
+__all__ = [
+    "PYTHON_REDUCER",
+    "RIDE_LIMIT_BYTES",
+    "WeightedReduceState",
+    "fp16_backward",
+    "python_reducer",
+    "weighted_allreduce_hook",
+]
 
 RIDE_LIMIT_BYTES = 64 * 2**20
 _RIDING_DTYPES = (torch.float32, torch.float64)
@@ -93,6 +103,23 @@ class WeightedReduceState:
     def can_ride(dtypes: Sequence[torch.dtype], world_size: int) -> bool:
         """Whether counts can ride, exactly, in gradient buckets of these dtypes over ``world_size`` ranks."""
         return all(dtype in _RIDING_DTYPES for dtype in dtypes) and world_size <= MAX_RIDING_RANKS
+
+    def register(self, ddp: DistributedDataParallel, scale: LossScale | None, fp16: bool) -> LossScale:
+        """Registers :func:`weighted_allreduce_hook` on ``ddp``; returns the windows' loss scale.
+
+        Args:
+            ddp: the wrapped model; its trainable parameters' dtypes decide whether the counts ride.
+            scale: the user's choice, kept if given; else item sums where the counts ride, mean-sized losses where
+                they cannot or where fp16 computes the backward (item sums could overflow it).
+            fp16: whether fp16 computes the backward (:func:`fp16_backward`).
+        """
+        dtypes = [param.dtype for param in ddp.parameters() if param.requires_grad]
+        world_size = dist.get_world_size(self.process_group)
+        self.rides = self.can_ride(dtypes, world_size)
+        if scale is None:
+            scale = LossScale.ITEM_SUM if self.rides and not fp16 else LossScale.MEAN_SIZED
+        ddp.register_comm_hook(self, weighted_allreduce_hook)
+        return scale
 
     def begin_window(self, payload: CountPayload, reference: float, device: torch.device) -> None:
         """Hands over this rank's payload; called before the backward that syncs the window's gradients.
@@ -222,6 +249,23 @@ class WeightedReduceState:
         safe = torch.where(items > 0, items, 1.0)  # an N = 0 window holds zero gradients: no NaN
         self._divisor = safe if reference in (0.0, 1.0) else safe / reference
         return self._divisor
+
+
+PYTHON_REDUCER = (
+    "`torch._dynamo.config.optimize_ddp='python_reducer'` reduces gradients outside DDP's communication hook, so"
+    " ddp_weighted could not weight them. Use the default `optimize_ddp=True`, or `strategy='ddp'`."
+)
+
+
+def python_reducer() -> bool:
+    """Whether ``torch.compile`` reduces DDP's gradients in Python, out of the hook's reach."""
+    return str(getattr(torch._dynamo.config, "optimize_ddp", "")).startswith("python_reducer")
+
+
+def fp16_backward(plugin: object) -> bool:
+    """Whether a Lightning precision plugin computes in fp16 (``16-mixed``, ``16-true``, Transformer Engine fp16)."""
+    precision = str(getattr(plugin, "precision", ""))
+    return "16" in precision and "bf16" not in precision
 
 
 def _no_window() -> RuntimeError:

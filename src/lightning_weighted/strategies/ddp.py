@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
-import torch._dynamo
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
@@ -21,7 +21,13 @@ from typing_extensions import override
 from lightning_weighted._counts import CountPayload
 from lightning_weighted.participation import Policy
 from lightning_weighted.reduce.carrier import Carrier, fits
-from lightning_weighted.reduce.ddp_hook import RIDE_LIMIT_BYTES, WeightedReduceState, weighted_allreduce_hook
+from lightning_weighted.reduce.ddp_hook import (
+    PYTHON_REDUCER,
+    RIDE_LIMIT_BYTES,
+    WeightedReduceState,
+    fp16_backward,
+    python_reducer,
+)
 from lightning_weighted.strategies._trainer import TrainerAdapter
 from lightning_weighted.window import LossScale
 
@@ -108,21 +114,7 @@ class WeightedDDPStrategy(TrainerAdapter, DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        entries: tuple[tuple[str, str, dict[str, Any]], ...] = (
-            ("ddp_weighted", "popen", {}),
-            ("ddp_weighted_spawn", "spawn", {}),
-            ("ddp_weighted_fork", "fork", {}),
-            ("ddp_weighted_find_unused_parameters_true", "popen", {"find_unused_parameters": True}),
-        )
-        for name, start_method, extra in entries:
-            strategy_registry.register(
-                name,
-                cls,
-                description=f"Count-weighted DDP strategy with `start_method` '{start_method}' {extra or ''}".strip(),
-                override=True,  # importing twice leaves the registry as it was
-                start_method=start_method,
-                **extra,
-            )
+        register_launchers(strategy_registry, cls, LAUNCHERS, "Count-weighted DDP strategy")
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -130,12 +122,8 @@ class WeightedDDPStrategy(TrainerAdapter, DDPStrategy):
             isinstance(callback, GradientAccumulationScheduler)
             for callback in trainer.callbacks  # type: ignore[attr-defined]
         )
-        if str(getattr(torch._dynamo.config, "optimize_ddp", "")).startswith("python_reducer"):
-            raise MisconfigurationException(
-                "`torch._dynamo.config.optimize_ddp='python_reducer'` reduces gradients outside DDP's communication"
-                " hook, so ddp_weighted could not weight them. Use the default `optimize_ddp=True`, or"
-                " `strategy='ddp'`."
-            )
+        if python_reducer():
+            raise MisconfigurationException(PYTHON_REDUCER)
         if self._ddp_kwargs.get("static_graph") and accumulates:
             raise MisconfigurationException(
                 "`static_graph=True` with gradient accumulation is not supported by DDP in this torch version."
@@ -165,14 +153,7 @@ class WeightedDDPStrategy(TrainerAdapter, DDPStrategy):
     def _register_riding_hook(self) -> None:
         # `DDPStrategy` registers comm hooks on CUDA only; ours is needed wherever DDP reduces.
         assert isinstance(self.model, DistributedDataParallel)
-        dtypes = [param.dtype for param in self.model.parameters() if param.requires_grad]
-        self._reduce_state.rides = WeightedReduceState.can_ride(dtypes, self.world_size)
-        if self._scale is None:
-            # Riding counts let every bucket divide after its SUM, so losses may be item sums, unless fp16
-            # computes the backward: there they stay mean-sized (see `lightning_weighted.reduce.ddp_hook`).
-            item_sums = self._reduce_state.rides and not _fp16_backward(self.precision_plugin)
-            self._scale = LossScale.ITEM_SUM if item_sums else LossScale.MEAN_SIZED
-        self.model.register_comm_hook(self._reduce_state, weighted_allreduce_hook)
+        self._scale = self._reduce_state.register(self.model, self._scale, fp16_backward(self.precision_plugin))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -252,7 +233,23 @@ _NO_RIDER = (
 )
 
 
-def _fp16_backward(plugin: object) -> bool:
-    """Whether Lightning's precision computes in fp16 (``16-mixed``, ``16-true``, Transformer Engine fp16)."""
-    precision = str(getattr(plugin, "precision", ""))
-    return "16" in precision and "bf16" not in precision
+Launcher = tuple[str, str, dict[str, Any]]  # a registered name, its start method, extra keyword arguments
+LAUNCHERS: tuple[Launcher, ...] = (
+    ("ddp_weighted", "popen", {}),
+    ("ddp_weighted_spawn", "spawn", {}),
+    ("ddp_weighted_fork", "fork", {}),
+    ("ddp_weighted_find_unused_parameters_true", "popen", {"find_unused_parameters": True}),
+)
+
+
+def register_launchers(registry: _StrategyRegistry, cls: type, launchers: Sequence[Launcher], what: str) -> None:
+    """Registers ``cls`` under each launcher's name, as Lightning registers ``"ddp"`` and its variants."""
+    for name, start_method, extra in launchers:
+        registry.register(
+            name,
+            cls,
+            description=f"{what} with `start_method` '{start_method}' {extra or ''}".strip(),
+            override=True,  # importing twice leaves the registry as it was
+            start_method=start_method,
+            **extra,
+        )
