@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import sys
 
-from launcher import ROOT, run
+from launcher import ROOT, run_example
 
 
 def test_worked_trace_example_gives_9_75_with_ddp_weighted_and_9_8_with_ddp():
-    done = run([sys.executable, str(ROOT / "examples" / "worked_trace.py")], timeout=240)
+    done = run_example([sys.executable, str(ROOT / "examples" / "worked_trace.py")], timeout=240)
     assert done.returncode == 0, done.stdout[-4000:]
     rows = {line.split()[0]: float(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("ddp")}
     assert rows["ddp_weighted_spawn"] == 9.75  # 10 − 0.1 · (2·1 + 6·3)/8, exact in fp32
