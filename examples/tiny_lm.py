@@ -13,8 +13,8 @@ trains the same GRU language model, from the same initial weights on the same mi
 
 Every run logs to ``<out>/<run>/metrics.csv`` (Lightning's CSVLogger) and saves its parameters after every
 optimizer step; the script then writes ``curves.csv``, ``summary.json`` and ``tiny_lm.png``. The three runs
-share this one invocation: the DDP ones use the spawn launcher, the sharded ones (whose strategies launch by
-re-running the script, as ``"ddp"`` does) run as ``tiny_lm.py ... --run <name>``.
+share this one invocation: the DDP ones use the fork launcher (spawn where fork is unavailable), the sharded ones
+(whose strategies launch by re-running the script, as ``"ddp"`` does) run as ``tiny_lm.py ... --run <name>``.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from lightning_weighted import AnyDeviceFSDPStrategy
 from lightning_weighted.audit import ObjectiveAudit, is_replaying
 
 IGNORE = -100
+LAUNCHER = "fork" if "fork" in torch.multiprocessing.get_all_start_methods() else "spawn"  # of the DDP runs
 PLAIN = {"ddp": DDPStrategy, "fsdp2": ModelParallelStrategy, "fsdp": AnyDeviceFSDPStrategy}
 WEIGHTED = {
     "ddp": lightning_weighted.WeightedDDPStrategy,
@@ -220,7 +221,7 @@ def make_strategy(args: argparse.Namespace, run: str) -> Any:
     kind = WEIGHTED[engine] if run.endswith("_weighted") else PLAIN[engine]
     timeout = timedelta(seconds=args.timeout)
     if engine == "ddp":
-        return kind(start_method="spawn", timeout=timeout)
+        return kind(start_method=LAUNCHER, timeout=timeout)
     if engine == "fsdp2":
         return kind(data_parallel_size=2, tensor_parallel_size=1, timeout=timeout)
     return kind(timeout=timeout, auto_wrap_policy={nn.Embedding, nn.GRU, nn.Linear})
@@ -349,8 +350,8 @@ def main() -> None:
         import matplotlib  # noqa: F401
     except ImportError:
         raise SystemExit("tiny_lm.py draws its figure with matplotlib: `pip install matplotlib`") from None
-    # A model this small gains nothing from intra-op threads, and the two ranks share the cores (the spawned
-    # ranks read the variable when torch starts).
+    # A model this small gains nothing from intra-op threads, and the two ranks share the cores (spawned ranks
+    # read the variable when torch starts).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     if args.run:

@@ -5,8 +5,8 @@ gradient 1), rank 1 holds ``[7] * 6`` (6 items, mean gradient 3). The mean over 
 ``(2·1 + 6·3) / 8 = 2.5``; plain DDP averages the two rank means, ``(1 + 3) / 2 = 2``. One SGD step with
 lr 0.1 lands on ``10 − 0.25 = 9.75`` (weighted) or ``10 − 0.2 = 9.8`` (plain).
 
-Both trainings run from this one script, so they use the spawn launcher (``"ddp_weighted_spawn"``); a script
-that trains once uses ``"ddp_weighted"``.
+Both trainings run from this one script, so they use the fork launcher (``"ddp_weighted_fork"``; spawn where fork
+is unavailable); a script that trains once uses ``"ddp_weighted"``.
 
 Usage::
 
@@ -27,8 +27,9 @@ from torch.utils.data import DataLoader
 import lightning_weighted  # noqa: F401  (registers "ddp_weighted" and its variants)
 
 TARGETS = {0: [9.0, 9.0], 1: [7.0] * 6}  # rank -> its targets, one microbatch each
+LAUNCHER = "fork" if "fork" in torch.multiprocessing.get_all_start_methods() else "spawn"
 
-# Keep the output to the table (in the spawned ranks too): Lightning's start-up notes and a deprecation of its own.
+# Keep the output to the table (in the launched ranks too): Lightning's start-up notes and a deprecation of its own.
 for name in ("lightning.pytorch", "lightning.fabric"):
     logging.getLogger(name).setLevel(logging.WARNING)
 warnings.filterwarnings("ignore", message=".*LeafSpec.*")
@@ -60,7 +61,7 @@ class WorkedTrace(LightningModule):
 
 
 def train(strategy: str) -> float:
-    """One optimizer step on 2 CPU processes; returns ``w`` (rank 0's, brought back by the spawn launcher)."""
+    """One optimizer step on 2 CPU processes; returns ``w`` (rank 0's, brought back by the launcher)."""
     trainer = Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -80,7 +81,7 @@ def train(strategy: str) -> float:
 def main() -> int:
     print(f"{'strategy':<20}{'w after one step':>18}{'expected':>10}")
     ok = True
-    for strategy, expected in (("ddp_weighted_spawn", 9.75), ("ddp_spawn", 9.8)):
+    for strategy, expected in ((f"ddp_weighted_{LAUNCHER}", 9.75), (f"ddp_{LAUNCHER}", 9.8)):
         w = train(strategy)
         ok &= abs(w - expected) < 1e-6
         print(f"{strategy:<20}{w:>18.6f}{expected:>10}")

@@ -115,23 +115,6 @@ def run(
     return Done(commands if len(commands) > 1 else commands[0], code, output, ended, left_alive)
 
 
-TEARDOWN_ABORT = "terminate called without an active exception"
-
-
-def run_example(command: list[str], timeout: float) -> Done:
-    """Runs an example that trains with Lightning's spawn launcher; once more if a rank aborted in its teardown.
-
-    Rarely, in the middle of a full run of the suite, a spawned rank aborts as its process exits, after its
-    training returned, with the C++ runtime's ``TEARDOWN_ABORT`` (never seen in runs of the examples alone). That
-    abort, and only that one, gets one more run; any other failure, or the abort twice, fails the test.
-    """
-    done = run(command, timeout)
-    if done.returncode != 0 and TEARDOWN_ABORT in done.stdout:
-        print(f"a spawned rank aborted at its exit ({TEARDOWN_ABORT!r}); running the example once more")
-        done = run(command, timeout)
-    return done
-
-
 def _outside_any_launch() -> dict[str, str]:
     """This process's environment without the variables of a launch around it (torchrun, SLURM, Lightning)."""
     return {

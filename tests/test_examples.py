@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from launcher import ROOT, run, run_example
+from launcher import ROOT, run
 
 STEPS = 12
 
@@ -36,7 +36,7 @@ def tiny_command(out: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def tiny_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny_lm")
-    done = run_example(tiny_command(out), timeout=150)
+    done = run(tiny_command(out), timeout=150)
     assert done.returncode == 0, done.stdout[-8000:]
     return out
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from launcher import ROOT, run_example
+from launcher import ROOT, run
 
 STEPS = 12
 
@@ -13,7 +13,7 @@ STEPS = 12
 def test_the_fabric_lm_example_stays_on_the_reference_while_plain_fabric_ddp_drifts(tmp_path):
     command = [sys.executable, str(ROOT / "examples" / "fabric_lm.py"), "--out", str(tmp_path)]
     command += ["--steps", str(STEPS), "--batch-size", "4", "--hidden", "32", "--timeout", "30"]
-    done = run_example(command, timeout=120)
+    done = run(command, timeout=120)
     assert done.returncode == 0, done.stdout[-8000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == STEPS

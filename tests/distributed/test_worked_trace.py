@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import sys
 
-from launcher import ROOT, run_example
+from launcher import ROOT, run
 
 
 def test_worked_trace_example_gives_9_75_with_ddp_weighted_and_9_8_with_ddp():
-    done = run_example([sys.executable, str(ROOT / "examples" / "worked_trace.py")], timeout=240)
+    done = run([sys.executable, str(ROOT / "examples" / "worked_trace.py")], timeout=240)
     assert done.returncode == 0, done.stdout[-4000:]
     rows = {line.split()[0]: float(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("ddp")}
-    assert rows["ddp_weighted_spawn"] == 9.75  # 10 − 0.1 · (2·1 + 6·3)/8, exact in fp32
-    assert abs(rows["ddp_spawn"] - 9.8) < 1e-6  # 10 − 0.1 · (1 + 3)/2, printed to 6 decimals
+    assert rows["ddp_weighted_fork"] == 9.75  # 10 − 0.1 · (2·1 + 6·3)/8, exact in fp32
+    assert abs(rows["ddp_fork"] - 9.8) < 1e-6  # 10 − 0.1 · (1 + 3)/2, printed to 6 decimals
