@@ -46,7 +46,7 @@ from common import (
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
-from trainer_step import WAIT_S, PlainModule, WeightedModule, _Sized
+from trainer_step import WAIT_S, BatonFit, PlainModule, WeightedModule, _Sized
 
 import lightning_weighted
 from lightning_weighted import AnyDeviceFSDPStrategy
@@ -149,7 +149,7 @@ def _whole_params(trainer: Trainer, pl_module: LightningModule) -> list[Tensor]:
         return whole(list(pl_module.model.parameters()))
 
 
-class Fit(threading.Thread):
+class Fit(BatonFit):
     def __init__(self, name: str, point: Point, rank: int, timeout: float) -> None:
         super().__init__(name=name, daemon=True)
         self.baton = Baton(point.accumulate)
@@ -177,23 +177,6 @@ class Fit(threading.Thread):
             limit_val_batches=0,
         )
         self.final: list[Tensor] = []
-
-    def run(self) -> None:
-        torch.set_num_threads(1)
-        try:
-            self.trainer.fit(self.module, train_dataloaders=self.loader)
-        except BaseException as error:  # reported by the main thread
-            self.baton.error = error
-            self.baton.arrived.set()
-
-    def release(self) -> None:
-        """Lets the fit run one accumulation window; returns when it parks at the next one."""
-        self.baton.arrived.clear()
-        self.baton.go.set()
-        if not self.baton.arrived.wait(WAIT_S):
-            raise TimeoutError(f"{self.name} did not finish its window within {WAIT_S}s")
-        if self.baton.error is not None:
-            raise RuntimeError(f"{self.name} failed") from self.baton.error
 
 
 class _Final(Callback):

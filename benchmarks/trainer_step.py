@@ -123,7 +123,34 @@ class Baton(Callback):
             self.buckets = bucket_counts(model)
 
 
-class Fit(threading.Thread):
+class BatonFit(threading.Thread):
+    """A whole ``Trainer.fit`` in a thread, parked by its baton at every window start (``trainer``, ``module``,
+    ``loader`` and ``baton`` are set by the subclass)."""
+
+    trainer: Trainer
+    module: LightningModule
+    loader: Any
+    baton: Any
+
+    def run(self) -> None:
+        torch.set_num_threads(1)
+        try:
+            self.trainer.fit(self.module, train_dataloaders=self.loader)
+        except BaseException as error:  # reported by the main thread
+            self.baton.error = error
+            self.baton.arrived.set()
+
+    def release(self) -> None:
+        """Lets the fit run one accumulation window; returns when it parks at the next one."""
+        self.baton.arrived.clear()
+        self.baton.go.set()
+        if not self.baton.arrived.wait(WAIT_S):
+            raise TimeoutError(f"{self.name} did not finish its window within {WAIT_S}s")
+        if self.baton.error is not None:
+            raise RuntimeError(f"{self.name} failed") from self.baton.error
+
+
+class Fit(BatonFit):
     def __init__(self, name: str, point: Point, rank: int, counter: CollectiveCounter) -> None:
         super().__init__(name=name, daemon=True)
         module_cls, strategy, prefetch, counts = VARIANTS[name]
@@ -159,23 +186,6 @@ class Fit(threading.Thread):
             num_sanity_val_steps=0,
             limit_val_batches=0,
         )
-
-    def run(self) -> None:
-        torch.set_num_threads(1)
-        try:
-            self.trainer.fit(self.module, train_dataloaders=self.loader)
-        except BaseException as error:  # reported by the main thread
-            self.baton.error = error
-            self.baton.arrived.set()
-
-    def release(self) -> None:
-        """Lets the fit run one accumulation window; returns when it parks at the next one."""
-        self.baton.arrived.clear()
-        self.baton.go.set()
-        if not self.baton.arrived.wait(WAIT_S):
-            raise TimeoutError(f"{self.name} did not finish its window within {WAIT_S}s")
-        if self.baton.error is not None:
-            raise RuntimeError(f"{self.name} failed") from self.baton.error
 
     def parameters(self) -> list[Tensor]:
         return [p.detach().clone() for p in self.module.model.parameters()]
