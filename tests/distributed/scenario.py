@@ -356,5 +356,16 @@ def max_relative_error(params: Sequence[Tensor], expected: Sequence[Tensor]) -> 
     return max(float((p.double() - e).abs().max()) for p, e in zip(params, expected, strict=True)) / scale
 
 
+def identical(a: object, b: object) -> bool:
+    """Whether two records (tensors, nested in dicts and lists) are equal bit for bit."""
+    if isinstance(a, Tensor):
+        return isinstance(b, Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(identical(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(identical, a, b))
+    return a == b
+
+
 def is_finite(params: Sequence[Tensor]) -> bool:
     return all(math.isfinite(float(p.double().sum())) for p in params)

@@ -6,19 +6,8 @@ import dataclasses
 import re
 
 import pytest
-import torch
 from harness import fit
-from scenario import Config, is_finite, max_relative_error, reference
-
-
-def _equal(a: object, b: object) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, list):
-        return isinstance(b, list) and len(a) == len(b) and all(map(_equal, a, b))
-    return a == b
+from scenario import Config, identical, is_finite, max_relative_error, reference
 
 
 @pytest.mark.parametrize("find_unused", [False, True])
@@ -42,10 +31,10 @@ def test_a_window_without_items_leaves_params_optimizer_and_scheduler_bit_identi
     result = fit(config, tmp_path)
     for rank in result:
         before, empty, after = rank["steps"]
-        assert _equal(empty["params"], before["params"])
-        assert _equal(empty["state"], before["state"])  # Adam moments and step counts
+        assert identical(empty["params"], before["params"])
+        assert identical(empty["state"], before["state"])  # Adam moments and step counts
         assert empty["lr"] == before["lr"] == 0.05 * 0.5 and after["lr"] == 0.05 * 0.25
-        assert not _equal(after["params"], empty["params"])
+        assert not identical(after["params"], empty["params"])
         assert rank["skipped_steps"] == 1
         assert rank["global_step"] == 3
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5

@@ -14,7 +14,7 @@ import pytest
 import torch
 from fabric_worker import FabricConfig
 from harness import run_worker
-from scenario import is_finite, max_relative_error, reference
+from scenario import identical, is_finite, max_relative_error, reference
 
 FIX = "Pass each microbatch's count as `fabric.backward(loss, count=n)`"
 ENGINES = ["ddp_weighted", "fsdp2_weighted"]
@@ -26,16 +26,6 @@ def fabric_fit(config: FabricConfig, tmp_path: Path, timeout: float = 120, expec
     out, done = run_worker("fabric_worker.py", config, tmp_path, timeout)
     assert (done.returncode != 0) == expect_failure, done.stdout[-8000:]
     return [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(config.world_size)]
-
-
-def _equal(a: object, b: object) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, list):
-        return isinstance(b, list) and len(a) == len(b) and all(map(_equal, a, b))
-    return a == b
 
 
 @pytest.mark.parametrize("strategy", ENGINES)
@@ -50,7 +40,7 @@ def test_fabric_matches_the_float64_reference_and_plain_fabric_does_not(tmp_path
 
     assert len(weighted[0]["steps"]) == len(expected["norms"]) == 2 * math.ceil(7 / accumulate)
     assert max_relative_error(weighted[0]["params"], expected["params"]) < 1e-5
-    assert _equal(weighted[0]["params"], weighted[1]["params"])  # replicas agree
+    assert identical(weighted[0]["params"], weighted[1]["params"])  # replicas agree
     assert [s["norm"] for s in weighted[0]["steps"]] == pytest.approx(expected["norms"], rel=1e-5)
     assert [w[1] for w in weighted[0]["windows"]] == expected["items"]  # N of every window
     # the same check fails for plain Fabric: its mean of means re-weights the items
@@ -126,9 +116,9 @@ def test_a_window_without_items_leaves_params_and_optimizer_state_bit_identical(
     for rank in result:
         before, empty, after = rank["steps"]
         assert empty["norm"] == 0.0  # no gradient at all
-        assert _equal(empty["params"], before["params"])
-        assert _equal(empty["state"], before["state"])  # Adam moments and step counts
-        assert not _equal(after["params"], empty["params"])
+        assert identical(empty["params"], before["params"])
+        assert identical(empty["state"], before["state"])  # Adam moments and step counts
+        assert not identical(after["params"], empty["params"])
         assert rank["skipped_steps"] == 1
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
 
@@ -152,7 +142,7 @@ def test_a_bad_or_missing_count_on_one_rank_raises_the_same_error_on_every_rank_
         assert rank["error"] == result[0]["error"]
         assert rank["error"].startswith(message) and FIX in rank["error"]
         assert len(rank["steps"]) == 1
-        assert _equal(rank["local_params"], rank["steps"][0]["local_params"])  # nothing changed after window 0
+        assert identical(rank["local_params"], rank["steps"][0]["local_params"])  # nothing changed after window 0
 
 
 @pytest.mark.parametrize("strategy", ENGINES)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
+from sharded_worker import whole
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from worked_trace import TARGETS, WorkedTrace
 from worker import device_kwargs, rank_arguments
@@ -65,12 +66,6 @@ class ShardedTrace(WorkedTrace):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> dict[str, object]:
         return {"loss": self.half_square(batch).mean(), "count": len(batch)}
-
-
-def whole(tensor: torch.Tensor) -> torch.Tensor:
-    """A parameter as one tensor: FSDP2's DTensor shards gathered."""
-    full_tensor = getattr(tensor, "full_tensor", None)
-    return full_tensor() if full_tensor is not None else tensor
 
 
 class Report(Callback):
