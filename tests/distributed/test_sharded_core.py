@@ -7,9 +7,8 @@ import time
 from collections import Counter
 
 import pytest
-from scenario import is_finite, max_relative_error, reference
+from scenario import identical, is_finite, max_relative_error, reference
 from sharded import ShardedConfig, fit_sharded
-from test_core import _equal
 
 STRATEGIES = ["fsdp2_weighted", "fsdp_weighted"]
 PLAIN = {"fsdp2_weighted": "fsdp2", "fsdp_weighted": "fsdp"}
@@ -43,10 +42,10 @@ def test_a_window_without_items_leaves_params_optimizer_and_scheduler_bit_identi
     result = fit_sharded(config, tmp_path)
     for rank in result:
         before, empty, after = rank["steps"]
-        assert _equal(empty["params"], before["params"])
-        assert _equal(empty["state"], before["state"])  # this rank's shards of the Adam moments and step counts
+        assert identical(empty["params"], before["params"])
+        assert identical(empty["state"], before["state"])  # this rank's shards of the Adam moments and step counts
         assert empty["lr"] == before["lr"] == 0.05 * 0.5 and after["lr"] == 0.05 * 0.25
-        assert not _equal(after["params"], empty["params"])
+        assert not identical(after["params"], empty["params"])
         assert rank["skipped_steps"] == 1
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
 
