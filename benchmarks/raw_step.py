@@ -134,11 +134,11 @@ class AheadStep(RawStep):
                 loss = self.ddp(batch)
                 factor = current.add(self.ahead.count, loss)
                 if sync:
-                    values, share = current.handover(self.ahead.plan_following(micro), True)
+                    values = current.handover(self.ahead.plan_following(micro), True)
                     if self.carrier is not None:
-                        self.carrier.load(values, share)
+                        self.carrier.load(values, current.add_share)
                     else:
-                        self.handover = start_sum(values, CPU, share)
+                        self.handover = start_sum(values, CPU, current.add_share)
                 zero = isinstance(factor, float) and factor == 0
                 (zero_loss(loss, self.model) if zero else loss * factor).backward()
         done, payload = self.ahead.end_window(self.read)

@@ -178,24 +178,31 @@ class Window:
         """
         return CountPayload(self.items, self.problem, rank, more, self.loss_sum)
 
-    def handover(self, following: float, more: bool) -> tuple[list[float], Tensor | None]:
+    def handover(self, following: float, more: bool) -> list[float]:
         """This rank's :class:`~lightning_weighted._counts.Handover` at the end of a ``GLOBAL_MEAN`` window.
+
+        Its loss slot holds 0: the share of the loss is on the device, and :meth:`add_share` adds it there.
 
         Args:
             following: the planned items of the next window (0 if there is none).
             more: whether this rank holds real batches after this window.
-
-        Returns:
-            The handover, and this rank's share of the window's loss (``Σ n·loss / N``, on the device), which
-            belongs in its loss slot.
         """
-        share: Tensor | None = None
+        return [following, float(self.problem is not None), float(more), 0.0]
+
+    def add_share(self, slot: Tensor) -> None:
+        """Adds this rank's share of the window's loss, ``Σ n·loss / N``, to ``slot`` (a 0-dim tensor on the device).
+
+        One in-place op per weighted microbatch, in the slot's dtype (the handover's loss slot); nothing is read.
+        """
         total = self.total
         assert total is not None, "the window's planned counts were not summed: call `Window.receive` first"
         for loss, as_sum in self._losses:  # N > 0 here: the microbatch was weighted
-            part = (loss if loss.dim() == 0 else loss.sum()) * (as_sum / total)
-            share = part if share is None else share + part
-        return [following, float(self.problem is not None), float(more), 0.0], share
+            part = loss if loss.dim() == 0 else loss.sum()
+            weight = as_sum / total
+            if isinstance(weight, Tensor):  # N still on the device (an epoch's first window)
+                slot.add_(part * weight)
+            else:
+                slot.add_(part, alpha=weight)
 
     def finish(self, summed: Sequence[float], step: int = 0, wording: Wording = TRAINER) -> WindowResult:
         """The window's result from the SUM of every rank's payload; raises its error, the same on every rank.

@@ -20,7 +20,7 @@ bf16 and fp16 the logged loss keeps a few significant digits.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ __all__ = ["Carrier", "decode", "digit_bits", "encode", "fits", "width"]
 _FRACTION = 24  # bits after the point: weight sums travel to 2**-24 per rank
 _BITS = 53 + _FRACTION  # a rank's window count stays below 2**53 (`_counts.MAX_ITEMS`)
 _TAIL = 3  # INVALID, MORE, LOSS after the digits
+_NUMPY = (torch.float64, torch.float32, torch.float16)  # gradient dtypes a host buffer can be written in directly
 # the largest integer a gradient dtype holds exactly, and its unit roundoff
 _EXACT = {torch.float64: (2**53, 2.0**-53), torch.float32: (2**24, 2.0**-24),
           torch.bfloat16: (2**8, 2.0**-8), torch.float16: (2**11, 2.0**-11)}  # fmt: skip
@@ -118,6 +119,11 @@ class Carrier(nn.Module):
     DDP finds the rider in the graph, and a hook replaces whatever gradient reaches it with the handover. After the
     backward, :meth:`read` returns the SUM over the ranks.
 
+    Every window runs this once, between two passes over the model's gradients that leave the caches cold, where
+    each Python attribute lookup and each tensor op costs tens of microseconds: the handover is written into one
+    buffer kept for the carrier's lifetime (a pinned host staging buffer with a device copy off the CPU), and the
+    hot path reads ``__dict__`` entries rather than ``nn.Module`` attributes.
+
     Args:
         module: the module DDP wraps (Lightning's ``LightningModule``).
         dtype: the gradients' dtype: the rider joins their bucket.
@@ -131,12 +137,16 @@ class Carrier(nn.Module):
         self.rider = nn.Parameter(torch.zeros(width(dtype, ranks), dtype=dtype, device=device))
         self.ranks, self.bits = ranks, digit_bits(dtype, ranks)
         self.active = False
-        self._sent: Tensor | None = None
+        # the handover's values on the host (every value is exact in `dtype`), and the gradient the hook hands DDP
+        host = dtype if dtype in _NUMPY else torch.float32
+        staging = torch.zeros(len(self.rider), dtype=host, pin_memory=device.type == "cuda")
+        sent = staging if device.type == "cpu" and host == dtype else torch.zeros_like(self.rider)
+        self.__dict__.update(_staging=staging, _values=staging.numpy(), _sent=sent, _tail=sent[-1], _loaded=False)
         self.rider.register_hook(self._carry)  # type: ignore[no-untyped-call]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's output; with :attr:`active`, its loss plus the rider's (zero) sum."""
-        output = self.module(*args, **kwargs)
+        output = self._modules["module"](*args, **kwargs)  # type: ignore[misc]
         if not self.active or not torch.is_grad_enabled():
             return output
         if isinstance(output, Tensor) and output.requires_grad:
@@ -153,26 +163,28 @@ class Carrier(nn.Module):
 
     def term(self, dtype: torch.dtype | None = None) -> Tensor:
         """Zero, computed from the rider: added to a loss, it brings the rider into the backward."""
-        total = self.rider.sum()
+        total = self._parameters["rider"].sum()  # type: ignore[union-attr]
         return total if dtype is None or dtype == total.dtype else total.to(dtype)
 
-    def load(self, handover: Sequence[float], loss: Tensor | None = None) -> None:
-        """Sets what the rider's gradient carries in the next backward; ``loss`` (on the device) fills the loss slot."""
-        rider = self.rider
-        values = torch.tensor(encode(handover, self.ranks, self.bits), dtype=rider.dtype)
-        if rider.device.type != "cpu":
-            values = values.pin_memory().to(rider.device, non_blocking=True)  # the host does not wait
-        if loss is not None:
-            values[-1] = loss  # the loss slot; cast to the gradients' dtype as it is stored
-        self._sent = values
+    def load(self, handover: Sequence[float], fill: Callable[[Tensor], None] | None = None) -> None:
+        """Sets the handover the rider's gradient carries in the next backward; ``fill`` adds to its loss slot."""
+        self._values[:] = encode(handover, self.ranks, self.bits)
+        sent = self._sent
+        if sent is not self._staging:
+            sent.copy_(self._staging, non_blocking=True)  # pinned: the host does not wait
+        if fill is not None:
+            fill(self._tail)  # a value of the gradients' dtype
+        self.__dict__["_loaded"] = True
 
     def read(self, also: Tensor | None = None) -> list[float] | None:
         """The SUM over the ranks of what they loaded, with ``also`` (a 0-dim tensor) appended: one host read.
 
         ``None`` if no backward reached the rider.
         """
-        rider = self.rider
-        grad, rider.grad, self._sent = rider.grad, None, None
+        rider = self._parameters["rider"]
+        assert rider is not None
+        grad, rider.grad = rider.grad, None
+        self.__dict__["_loaded"] = False
         if grad is None:
             return None
         if also is None:
@@ -189,4 +201,4 @@ class Carrier(nn.Module):
             return getattr(self.module, name)  # `trainer.model.module.<attribute>` as without the carrier
 
     def _carry(self, grad: Tensor) -> Tensor:
-        return grad if self._sent is None else self._sent
+        return self._sent if self._loaded else grad

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch.futures import Future
@@ -27,13 +29,18 @@ def sum_counts(
 
 
 def start_sum(
-    values: list[float], device: torch.device, add: torch.Tensor | None = None, group: dist.ProcessGroup | None = None
+    values: list[float],
+    device: torch.device,
+    fill: Callable[[torch.Tensor], None] | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, dist.Work]:
-    """Starts the SUM over ``group`` of a float64 vector (``add``, already on the device, added at its last place).
+    """Starts the SUM over ``group`` of a float64 vector; ``fill`` adds to its last value, on the device, first.
 
     Returns the vector, which holds the SUM once the returned work is waited on.
     """
-    summed = on_device(values, device, len(values) - 1, add)
+    summed = on_device(values, device, len(values) - 1, None)
+    if fill is not None:
+        fill(summed[-1])
     work = dist.all_reduce(summed, group=group, async_op=True)
     assert work is not None
     return summed, work

@@ -110,12 +110,13 @@ class TrainerAdapter(ParallelStrategy):
     def _choose(self, ahead: bool) -> None:
         """Sets the engine up for counts ahead or not; runs once training starts, the same on every rank."""
 
-    def _hand_over(self, handover: list[float], share: Tensor | None) -> None:
+    def _hand_over(self, handover: list[float], fill: Callable[[Tensor], None]) -> None:
         """Starts the SUM of this rank's handover right before the backward that ends a window (counts ahead).
 
-        ``share`` (on the device) belongs in the handover's loss slot. By default one float64 all-reduce.
+        ``fill`` adds this rank's share of the loss to the handover's loss slot, on the device. By default one
+        float64 all-reduce.
         """
-        self._handover = start_sum(handover, self.root_device, share)
+        self._handover = start_sum(handover, self.root_device, fill)
 
     def _handed_over(self, also: Tensor | None = None) -> list[float]:
         """The SUM of every rank's handover after the backward that ends the window, on the host (one read).
@@ -231,7 +232,7 @@ class TrainerAdapter(ParallelStrategy):
             more = self._participation.has_more()
             if self._ahead is not None and self.counts_ahead:
                 following = self._ahead.plan_following(self._batch_idx)
-                self._hand_over(*window.handover(following, more))
+                self._hand_over(window.handover(following, more), window.add_share)
             else:
                 assert isinstance(window.reference, float)  # riding windows never wait for their N
                 group = self._count_group()

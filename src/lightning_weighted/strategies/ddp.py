@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -202,11 +202,11 @@ class WeightedDDPStrategy(TrainerAdapter, DDPStrategy):
         return self._reduce_state.counts()
 
     @override
-    def _hand_over(self, handover: list[float], share: Tensor | None) -> None:
+    def _hand_over(self, handover: list[float], fill: Callable[[Tensor], None]) -> None:
         if self._carrier is None:
-            super()._hand_over(handover, share)
+            super()._hand_over(handover, fill)
         else:
-            self._carrier.load(handover, share)
+            self._carrier.load(handover, fill)
 
     @override
     def _handed_over(self, also: Tensor | None = None) -> list[float]:
