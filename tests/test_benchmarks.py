@@ -105,3 +105,15 @@ def test_sharded_strategies_add_one_48_byte_count_all_reduce_per_step_to_their_p
             extra = {kind: value for kind, value in ours.items() if theirs.get(kind) != value}
             assert extra == {"all_reduce[float64]": [1, 48]}, (entry["point"], weighted, ours, theirs)
             assert set(theirs) <= set(ours)
+
+
+def test_the_one_rank_overhead_table_has_a_cell_per_variant_and_point() -> None:
+    command = [sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--sizes", "tiny", "--steps", "30"]
+    done = run(command, timeout=120, env={"PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 0, done.stdout[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| tiny A=")]
+    assert [row.split(" (")[0] for row in rows] == ["| tiny A=1", "| tiny A=4"], done.stdout
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        assert len(cells) == 2 + 5 and all(cell.replace(" ", "") for cell in cells), row  # plain, then 5 variants
+        assert float(cells[1]) > 0  # plain DDP's step, µs
