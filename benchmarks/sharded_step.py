@@ -21,9 +21,7 @@ import ctypes
 import gc
 import json
 import logging
-import random
 import threading
-import time
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -46,7 +44,7 @@ from common import (
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
-from trainer_step import WAIT_S, BatonFit, PlainModule, WeightedModule, _Sized
+from trainer_step import WAIT_S, BatonFit, PlainModule, WeightedModule, _Sized, interleave
 
 import lightning_weighted
 from lightning_weighted import AnyDeviceFSDPStrategy
@@ -227,37 +225,9 @@ def kinds(calls: Sequence[tuple[str, str, int]]) -> dict[str, list[float]]:
 
 
 def run_point(point: Point, rank: int, counter: ShardedCounter, timeout: float, correctness: bool) -> dict[str, Any]:
-    fits: dict[str, Fit] = {}
-    for name in VARIANTS:  # set up one at a time: each setup runs its own collectives
-        fit = Fit(name, point, rank, timeout)
-        fit.start()
-        if not fit.baton.arrived.wait(WAIT_S) or fit.baton.error is not None:
-            raise RuntimeError(f"{name} did not reach its first step") from fit.baton.error
-        fits[name] = fit
-    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    calls: dict[str, dict[str, list[float]]] = {}
-    for unit in range(point.steps):
-        order = list(VARIANTS)
-        random.Random(point.seed * 1_000_003 + unit).shuffle(order)
-        for name in order:
-            dist.barrier()
-            start = time.perf_counter()
-            if unit == point.warmup - 1:  # a warm-up step (not the first: its gradient is gathered)
-                with counter.counting() as recorded:
-                    fits[name].release()
-                calls[name] = kinds(recorded)
-            else:
-                fits[name].release()
-            if unit >= point.warmup:
-                times[name].append(time.perf_counter() - start)
-    for name in VARIANTS:  # the last window and the end of fit, one fit at a time
-        fits[name].baton.go.set()
-        fits[name].join(WAIT_S)
-        if fits[name].is_alive() or fits[name].baton.error is not None:
-            raise RuntimeError(f"{name} did not finish") from fits[name].baton.error
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, times)
-    slowest = {name: [max(g[name][k] for g in gathered) for k in range(point.rounds)] for name in VARIANTS}
+    fits = {name: Fit(name, point, rank, timeout) for name in VARIANTS}
+    slowest, recorded = interleave(fits, point, counter)
+    calls = {name: kinds(found) for name, found in recorded.items()}
     result: dict[str, Any] = {"point": point.__dict__, "times": slowest, "collectives": calls}
     if correctness and rank == 0:
         world = dist.get_world_size()

@@ -18,7 +18,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -150,6 +150,47 @@ class BatonFit(threading.Thread):
             raise RuntimeError(f"{self.name} failed") from self.baton.error
 
 
+def interleave(
+    fits: Mapping[str, BatonFit], point: Point, counter: Any
+) -> tuple[dict[str, list[float]], dict[str, list[tuple[str, str, int]]]]:
+    """Runs ``point.steps`` windows of every fit, one window of each per round, and ends the fits.
+
+    The fits start one at a time (each setup runs its own collectives); every round releases them in an order
+    shuffled per round (the same on every rank), each after a barrier. Returns the slowest rank's time of each
+    timed round (after ``point.warmup``) per fit, and the collectives ``counter`` recorded in each fit's last
+    warm-up window (not the first: its gradient is captured).
+    """
+    for name, fit in fits.items():
+        fit.start()
+        if not fit.baton.arrived.wait(WAIT_S) or fit.baton.error is not None:
+            raise RuntimeError(f"{name} did not reach its first step") from fit.baton.error
+    times: dict[str, list[float]] = {name: [] for name in fits}
+    calls: dict[str, list[tuple[str, str, int]]] = {}
+    for unit in range(point.steps):
+        order = list(fits)
+        random.Random(point.seed * 1_000_003 + unit).shuffle(order)
+        for name in order:
+            dist.barrier()
+            start = time.perf_counter()
+            if unit == point.warmup - 1:
+                with counter.counting() as recorded:
+                    fits[name].release()
+                calls[name] = list(recorded)
+            else:
+                fits[name].release()
+            if unit >= point.warmup:
+                times[name].append(time.perf_counter() - start)
+    for name, fit in fits.items():  # the last window and the end of fit, one fit at a time
+        fit.baton.go.set()
+        fit.join(WAIT_S)
+        if fit.is_alive() or fit.baton.error is not None:
+            raise RuntimeError(f"{name} did not finish") from fit.baton.error
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, times)
+    slowest = {name: [max(g[name][k] for g in gathered) for k in range(point.rounds)] for name in fits}
+    return slowest, calls
+
+
 class Fit(BatonFit):
     def __init__(self, name: str, point: Point, rank: int, counter: CollectiveCounter) -> None:
         super().__init__(name=name, daemon=True)
@@ -176,7 +217,7 @@ class Fit(BatonFit):
             num_nodes=1,
             max_steps=steps,
             accumulate_grad_batches=point.accumulate,
-            precision=PRECISION[point.dtype],  # type: ignore[arg-type]
+            precision=PRECISION[point.dtype],
             callbacks=callbacks,
             logger=False,
             enable_checkpointing=False,
@@ -212,38 +253,8 @@ def run_point(
     references: dict[Any, list[Tensor]],
     correctness: bool,
 ) -> dict[str, Any]:
-    fits = {}
-    for name in variants:  # set up one at a time: each setup runs its own collectives
-        fit = Fit(name, point, rank, counter)
-        fit.start()
-        if not fit.baton.arrived.wait(WAIT_S) or fit.baton.error is not None:
-            raise RuntimeError(f"{name} did not reach its first step") from fit.baton.error
-        fits[name] = fit
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    calls: dict[str, list[tuple[str, str, int]]] = {}
-    for unit in range(point.steps):
-        order = list(variants)
-        random.Random(point.seed * 1_000_003 + unit).shuffle(order)
-        for name in order:
-            count = unit == point.warmup - 1
-            dist.barrier()
-            start = time.perf_counter()
-            if count:
-                with counter.counting() as recorded:
-                    fits[name].release()
-                calls[name] = list(recorded)
-            else:
-                fits[name].release()
-            if unit >= point.warmup:
-                times[name].append(time.perf_counter() - start)
-    for name in variants:  # the last window and the end of fit, one fit at a time
-        fits[name].baton.go.set()
-        fits[name].join(WAIT_S)
-        if fits[name].is_alive() or fits[name].baton.error is not None:
-            raise RuntimeError(f"{name} did not finish") from fits[name].baton.error
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, times)
-    slowest = {name: [max(g[name][k] for g in gathered) for k in range(point.rounds)] for name in variants}
+    fits = {name: Fit(name, point, rank, counter) for name in variants}
+    slowest, calls = interleave(fits, point, counter)
     result: dict[str, Any] = {
         "point": point.__dict__,
         "times": slowest,
