@@ -188,7 +188,17 @@ def summary(values: Sequence[float]) -> dict[str, float]:
         high = min(low + 1, len(ordered) - 1)
         return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
-    return {"median": statistics.median(ordered), "p10": quantile(0.1), "p90": quantile(0.9), "n": len(ordered)}
+    # the median's 95 % confidence interval from order statistics (distribution-free; rounds taken as independent)
+    n = len(ordered)
+    r = max(1, math.floor(n / 2 - 0.98 * math.sqrt(n)))
+    return {
+        "median": statistics.median(ordered),
+        "p10": quantile(0.1),
+        "p90": quantile(0.9),
+        "ci_low": ordered[r - 1],
+        "ci_high": ordered[n - r],
+        "n": n,
+    }
 
 
 def paired_ratios(times: dict[str, list[float]], baseline: str = "ddp") -> dict[str, list[float]]:

@@ -18,6 +18,7 @@ from cost_model import (
 )
 
 SHOWN = ["ddp_control", "ddp_weighted", "ddp_weighted_riding", "post_hoc", "pre_count"]
+INTERVALS = ("ddp_control", "ddp_weighted")  # the ratios whose median's confidence interval the tables show
 WEIGHTED = ["ddp_weighted", "ddp_weighted_riding", "post_hoc", "pre_count"]
 TITLES = {
     "ddp": "plain DDP",
@@ -41,8 +42,49 @@ def sharded_section(data: dict[str, Any]) -> str:
     return section(data)
 
 
-def ratio_cell(stats: dict[str, float]) -> str:
-    return f"{stats['median']:.3f} [{stats['p10']:.3f}, {stats['p90']:.3f}]"
+def ratio_cell(stats: dict[str, float], interval: bool = False) -> str:
+    """``median [p10, p90]``; with ``interval``, the median's 95 % confidence interval in parentheses after it."""
+    ci = f" ({stats['ci_low']:.3f}–{stats['ci_high']:.3f})" if interval and "ci_low" in stats else ""
+    return f"{stats['median']:.3f}{ci} [{stats['p10']:.3f}, {stats['p90']:.3f}]"
+
+
+TARGETS = {"0.2M": 1.03, "2M": 1.01, "20M": 1.01}  # the ratio ddp_weighted (counts ahead) ÷ plain DDP aims at
+
+
+def verdict(stats: dict[str, float], target: float) -> str:
+    """Whether the median's 95 % confidence interval lies below ``target``, above it, or across it."""
+    if stats["ci_high"] <= target:
+        return "met"
+    if stats["ci_low"] > target:
+        return "missed"
+    return "not resolved"
+
+
+def targets_table(levels: dict[str, list[dict[str, Any]]]) -> str:
+    lines = [
+        "| level | point | target | ddp_weighted (counts ahead) ÷ DDP (95 % CI) | A-vs-A control (95 % CI) | verdict |"
+        " below post-hoc and pre-count |",
+        "|---|---|---:|---:|---:|---|---|",
+    ]
+    tally: dict[str, int] = {}
+    for level, points in levels.items():
+        for entry in points:
+            point, ratio = entry["point"], entry["ratio"]
+            target = TARGETS.get(point["size"])
+            if target is None or "ci_low" not in ratio["ddp_weighted"]:
+                continue
+            weighted, control = ratio["ddp_weighted"], ratio["ddp_control"]
+            found = verdict(weighted, target)
+            tally[found] = tally.get(found, 0) + 1
+            below = all(weighted["median"] < ratio[n]["median"] for n in ("post_hoc", "pre_count"))
+            lines.append(
+                f"| {level} | {point['size']} A={point['accumulate']} {point['dtype']} | ≤ {target:.2f} | "
+                f"{weighted['median']:.3f} ({weighted['ci_low']:.3f}–{weighted['ci_high']:.3f}) | "
+                f"{control['median']:.3f} ({control['ci_low']:.3f}–{control['ci_high']:.3f}) | {found} |"
+                f" {'yes' if below else 'no'} |"
+            )
+    counted = ", ".join(f"{name} {tally[name]}" for name in ("met", "not resolved", "missed") if name in tally)
+    return "\n".join([*lines, "", f"Verdicts: {counted or 'none'}."])
 
 
 def deviation_cell(value: float | None) -> str:
@@ -62,7 +104,7 @@ def speed_table(points: list[dict[str, Any]], params: dict[str, int]) -> str:
         repeats = ", ".join(f"{r:.3f}" for r in entry["ratio_per_repeat"]["ddp_weighted"])
         lines.append(
             f"| {label} | {params[point['size']] / 1e6:.2f}M | {entry['ms']['ddp']:.2f} | "
-            + " | ".join(ratio_cell(entry["ratio"][n]) for n in SHOWN)
+            + " | ".join(ratio_cell(entry["ratio"][n], n in INTERVALS) for n in SHOWN)
             + f" | {repeats} |"
         )
     return "\n".join(lines)
@@ -293,7 +335,9 @@ def write_report(data: dict[str, Any], out: Path) -> None:
         f"an order shuffled per round, a barrier before each; {meta['warmup']} warm-up rounds (20M: "
         f"{max(2, meta['warmup'] // 2)}), then {meta['rounds']} timed rounds (20M: {meta['rounds_20m']}); "
         f"{meta['repeats']} repeats in fresh process groups; a step's time is the slowest rank's; ratios are "
-        "paired (same round) and pooled over repeats: median [p10, p90]. Ratios are what count.",
+        "paired (same round) and pooled over repeats: median [p10, p90], and for the control and counts ahead "
+        "the median's 95 % confidence interval in parentheses (order statistics over the pooled rounds; it does "
+        "not hold the spread between repeats, which the last column shows). Ratios are what count.",
         "",
         'Variants (see `anchors.py`, `raw_step.py`, `trainer_step.py`): **plain DDP** (`strategy="ddp"`: local '
         "mean ÷ A, mean all-reduce; the floor, and the wrong objective); **A-vs-A control** (a second, independent "
@@ -315,6 +359,15 @@ def write_report(data: dict[str, Any], out: Path) -> None:
         "## Raw DDP step",
         "",
         speed_table(data["raw"], params),
+        "",
+        "## Speed targets",
+        "",
+        "ddp_weighted (counts ahead) ÷ plain DDP against its target at each point: **met** where the median's 95 % "
+        "confidence interval lies at or below the target, **missed** where it lies above, **not resolved** where "
+        "it spans the target (these rounds cannot tell). The control's interval beside it is what the same "
+        "rounds make of two identical plain DDPs.",
+        "",
+        targets_table({"raw": data["raw"], "Trainer": data["trainer"]}),
         "",
         "## Lightning Trainer step",
         "",

@@ -117,3 +117,22 @@ def test_the_one_rank_overhead_table_has_a_cell_per_variant_and_point() -> None:
         cells = [cell.strip() for cell in row.strip("|").split("|")]
         assert len(cells) == 2 + 5 and all(cell.replace(" ", "") for cell in cells), row  # plain, then 5 variants
         assert float(cells[1]) > 0  # plain DDP's step, µs
+
+
+def test_the_median_interval_covers_the_median_narrows_with_rounds_and_decides_the_verdict() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import random
+
+    from common import summary
+    from report import verdict
+
+    draw = random.Random(0)
+    few = summary([1.0 + draw.gauss(0, 0.3) for _ in range(100)])
+    many = summary([1.0 + draw.gauss(0, 0.3) for _ in range(10_000)])
+    for stats in (few, many):
+        assert stats["ci_low"] < stats["median"] < stats["ci_high"]
+        assert stats["ci_low"] < 1.0 < stats["ci_high"]  # the true median, 1.0
+    assert many["ci_high"] - many["ci_low"] < (few["ci_high"] - few["ci_low"]) / 5
+    assert verdict(many, 1.03) == "met"
+    assert verdict(many, 0.97) == "missed"
+    assert verdict(few, 1.0) == "not resolved"
