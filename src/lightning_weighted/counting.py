@@ -199,7 +199,7 @@ class ItemCounter(Callback):
             shown["train/loss"] = window.loss
             self._loss_epoch.update(torch.tensor(window.loss, device=pl_module.device), weight=window.items)
         if self.imbalance and _logs_now(trainer):
-            logged["train/imbalance"] = _imbalance(window.local_items, window.items, pl_module.device)
+            logged["train/imbalance"] = _imbalance(window, pl_module.device)
         pl_module.log_dict(shown, prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
         pl_module.log_dict(logged, on_step=True, on_epoch=False, batch_size=1)
 
@@ -240,10 +240,13 @@ def _logs_now(trainer: Trainer) -> bool:
     return trainer.logger is not None and (trainer.global_step + 1) % every == 0
 
 
-def _imbalance(local_items: float, items: float, device: torch.device) -> float:
-    """:func:`~lightning_weighted._counts.imbalance` over the ranks, from one MAX all-reduce of their counts."""
-    if items <= 0 or not dist.is_initialized():
+def _imbalance(window: WindowResult, device: torch.device) -> float:
+    """:func:`~lightning_weighted._counts.imbalance` over the window's ranks, from one MAX all-reduce of their counts.
+
+    The MAX runs over every process: tensor-parallel peers hold the same count as their data-parallel rank.
+    """
+    if window.items <= 0 or not dist.is_initialized():
         return 1.0
-    largest = torch.tensor(local_items, dtype=torch.float64, device=device)
+    largest = torch.tensor(window.local_items, dtype=torch.float64, device=device)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    return imbalance(float(largest), items, dist.get_world_size())
+    return imbalance(float(largest), window.items, window.ranks)

@@ -66,6 +66,8 @@ class WindowResult:
         local_items: this rank's items in the window.
         loss: the global item mean of the loss, ``Σ_r Σ_m n_rm · loss_rm / N`` (NaN when ``N = 0``).
         ranks_with_more: how many ranks hold real batches after this window.
+        ranks: :math:`P`, the ranks whose counts were summed (the data-parallel ones; tensor-parallel peers share
+            their counts).
     """
 
     step: int
@@ -73,6 +75,7 @@ class WindowResult:
     local_items: float
     loss: float
     ranks_with_more: int = 0
+    ranks: int = 1
 
 
 class Window:
@@ -204,16 +207,19 @@ class Window:
             else:
                 slot.add_(part, alpha=weight)
 
-    def finish(self, summed: Sequence[float], step: int = 0, wording: Wording = TRAINER) -> WindowResult:
+    def finish(
+        self, summed: Sequence[float], step: int = 0, wording: Wording = TRAINER, ranks: int = 1
+    ) -> WindowResult:
         """The window's result from the SUM of every rank's payload; raises its error, the same on every rank.
 
         Args:
             summed: the SUM of every rank's :meth:`payload`, indexed by :class:`~lightning_weighted._counts.Slot`.
             step: the optimizer step the window ends at.
             wording: how the error names the call that handed over the counts, and the fix.
+            ranks: how many ranks' payloads were summed.
         """
         total = decode(summed, wording)
         if total.error is not None:
             raise total.error
         loss = total.loss_sum / total.items if total.items > 0 else math.nan
-        return WindowResult(step, total.items, self.items, loss, total.ranks_with_more)
+        return WindowResult(step, total.items, self.items, loss, total.ranks_with_more, ranks)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from scenario import Config, WeightedModule, make_batches, shared_dataset
 from torch import Tensor, nn
@@ -245,8 +246,10 @@ def main() -> None:
     if config.checkpoint:
         callbacks.append(ModelCheckpoint(dirpath=f"{args.out}.ckpt", save_top_k=-1, save_on_train_epoch_end=True))
         callbacks.append(OnExceptionCheckpoint(dirpath=f"{args.out}.ckpt"))
+    logger: Any = False
     if config.counter is not None:
         callbacks.append(make_counter(config))
+        logger = CSVLogger(f"{args.out}.logs", name="", version="")
     if config.audit:
         recorder.audit = lightning_weighted.ObjectiveAudit(every_n_steps=1, on_mismatch="raise")  # type: ignore[attr-defined]
         callbacks.append(recorder.audit)  # type: ignore[attr-defined]
@@ -260,7 +263,8 @@ def main() -> None:
         gradient_clip_val=config.clip,
         gradient_clip_algorithm=config.clip_algorithm,
         callbacks=callbacks,
-        logger=False,
+        logger=logger,
+        log_every_n_steps=1,
         enable_checkpointing=config.checkpoint,
         enable_progress_bar=False,
         enable_model_summary=False,

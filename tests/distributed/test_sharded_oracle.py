@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 
 import pytest
@@ -46,9 +47,16 @@ def test_tensor_parallel_peers_are_counted_once_through_the_data_parallel_group(
     # 2 data-parallel ranks × 2 tensor-parallel ranks: each batch is seen by both tensor-parallel peers
     config = ShardedConfig(strategy="fsdp2_weighted", tensor_parallel=2, accumulate=2, batches=4, epochs=2)
     expected = reference(config)
-    weighted = fit_sharded(config, tmp_path, timeout=300)
+    weighted = fit_sharded(dataclasses.replace(config, counter="mask"), tmp_path, timeout=300)
     assert [items for _, items, _ in weighted[0]["windows"]] == pytest.approx(expected["items"])
     assert max_relative_error(weighted[0]["params"], expected["params"]) < 1e-5
+    # ItemCounter's imbalance, P · max_r n_r / N, over the P = 2 data-parallel ranks (not the 4 processes)
+    (path,) = tmp_path.glob("*.logs/metrics.csv")
+    with path.open() as handle:
+        logged = [float(row["train/imbalance"]) for row in csv.DictReader(handle) if row.get("train/imbalance")]
+    windows = zip(expected["local_items"], expected["items"], strict=True)
+    imbalances = [2 * max(local) / items for local, items in windows]
+    assert logged == pytest.approx(imbalances, rel=1e-6) and max(imbalances) > 1.1
     # counting over every process instead sees each item twice: N doubles and every step is half as long
     world = fit_sharded(dataclasses.replace(config, world_counts=True), tmp_path, timeout=300)
     assert [items for _, items, _ in world[0]["windows"]] == pytest.approx([2 * n for n in expected["items"]])

@@ -179,9 +179,10 @@ class FabricAdapter(ParallelStrategy):
         window, self._window = self._window, None
         assert window is not None
         step, self._windows = self._windows, self._windows + 1
-        result = self.last_window = window.finish(self._summed_counts(), step, FABRIC)
+        group = self._count_group()
+        result = self.last_window = window.finish(self._summed_counts(), step, FABRIC, dist.get_world_size(group))
         if self._participation is not None:
-            self._participation.after_window(result.ranks_with_more, self.root_device, self._count_group())
+            self._participation.after_window(result.ranks_with_more, self.root_device, group)
         if result.items > 0:
             self._normalize(result.items)
             return

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from lightning_weighted._counts import CountPayload, on_device
+from lightning_weighted.reduce.callbacks import then
 
 __all__ = ["start_sum", "sum_counts"]
 
@@ -24,7 +25,7 @@ def sum_counts(
     summed = payload.tensor(device)
     work = dist.all_reduce(summed, group=group, async_op=True)
     assert work is not None
-    future: Future[torch.Tensor] = work.get_future().then(lambda _: summed)
+    future: Future[torch.Tensor] = then(work.get_future(), lambda _: summed)
     return future
 
 

@@ -27,6 +27,7 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_weighted._counts import CountPayload, Slot
+from lightning_weighted.reduce.callbacks import then
 from lightning_weighted.reduce.counts import sum_counts
 from lightning_weighted.reduce.riding import MAX_RIDING_RANKS, RIDE_WIDTH, riding, unride
 from lightning_weighted.window import LossScale
@@ -216,7 +217,7 @@ class WeightedReduceState:
 
         work = dist.all_reduce(sent, group=self.process_group, async_op=True)
         assert work is not None
-        self._pending = work.get_future().then(unpack)
+        self._pending = then(work.get_future(), unpack)
         self._rode = True
         return self._pending
 
@@ -236,11 +237,11 @@ class WeightedReduceState:
         work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
         assert work is not None
         future: Future[list[torch.Tensor]] = work.get_future()
-        return future.then(divide)
+        return then(future, divide)
 
     def _receive_from(self, counts: Future[torch.Tensor], reference: float | None = None) -> Future[torch.Tensor]:
         ratio = self._reference if reference is None else reference
-        return counts.then(lambda future: self._receive(future.value(), ratio))
+        return then(counts, lambda future: self._receive(future.value(), ratio))
 
     def _receive(self, summed: torch.Tensor, reference: float) -> torch.Tensor:
         """Keeps the window's summed payload; returns ``N / reference`` (``N`` taken as 1 when 0), the divisor."""
@@ -296,4 +297,4 @@ def weighted_allreduce_hook(state: WeightedReduceState, bucket: GradBucket) -> F
     work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
     assert work is not None
     future: Future[list[torch.Tensor]] = work.get_future()
-    return future.then(lambda fut: fut.value()[0])
+    return then(future, lambda fut: fut.value()[0])

@@ -273,8 +273,9 @@ class TrainerAdapter(ParallelStrategy):
         else:
             window, self._window = self._window or Window(self._loss_scale()), None
             summed = self._summed_counts()
-        result = self.last_window = window.finish(summed, step)
-        self._participation.after_window(result.ranks_with_more, self.root_device, self._count_group())
+        group = self._count_group()
+        result = self.last_window = window.finish(summed, step, ranks=dist.get_world_size(group))
+        self._participation.after_window(result.ranks_with_more, self.root_device, group)
         if result.items > 0:
             self._normalize(result.items)
             return
