@@ -4,7 +4,7 @@ The thread that completes a collective's future (one of gloo's workers, say) run
 whoever waits, and then takes the GIL once more to release the callbacks. A process that ends in between aborts:
 its interpreter is finalizing, and a thread taking the GIL then is stopped inside a destructor ("terminate called
 without an active exception", exit code -6, after training finished). :func:`then` counts each callback until it is
-released; at exit the process waits for the released ones of completed futures, a few milliseconds at most.
+released; at exit the process waits until every completed future's callbacks are, usually a few milliseconds.
 """
 
 from __future__ import annotations
