@@ -42,10 +42,15 @@ def sharded_section(data: dict[str, Any]) -> str:
     return section(data)
 
 
+def median_cell(stats: dict[str, float]) -> str:
+    """``median (ci_low–ci_high)``: the median and its 95 % confidence interval."""
+    return f"{stats['median']:.3f} ({stats['ci_low']:.3f}–{stats['ci_high']:.3f})"
+
+
 def ratio_cell(stats: dict[str, float], interval: bool = False) -> str:
     """``median [p10, p90]``; with ``interval``, the median's 95 % confidence interval in parentheses after it."""
-    ci = f" ({stats['ci_low']:.3f}–{stats['ci_high']:.3f})" if interval and "ci_low" in stats else ""
-    return f"{stats['median']:.3f}{ci} [{stats['p10']:.3f}, {stats['p90']:.3f}]"
+    median = median_cell(stats) if interval and "ci_low" in stats else f"{stats['median']:.3f}"
+    return f"{median} [{stats['p10']:.3f}, {stats['p90']:.3f}]"
 
 
 TARGETS = {"0.2M": 1.03, "2M": 1.01, "20M": 1.01}  # the ratio ddp_weighted (counts ahead) ÷ plain DDP aims at
@@ -79,9 +84,7 @@ def targets_table(levels: dict[str, list[dict[str, Any]]]) -> str:
             below = all(weighted["median"] < ratio[n]["median"] for n in ("post_hoc", "pre_count"))
             lines.append(
                 f"| {level} | {point['size']} A={point['accumulate']} {point['dtype']} | ≤ {target:.2f} | "
-                f"{weighted['median']:.3f} ({weighted['ci_low']:.3f}–{weighted['ci_high']:.3f}) | "
-                f"{control['median']:.3f} ({control['ci_low']:.3f}–{control['ci_high']:.3f}) | {found} |"
-                f" {'yes' if below else 'no'} |"
+                f"{median_cell(weighted)} | {median_cell(control)} | {found} | {'yes' if below else 'no'} |"
             )
     counted = ", ".join(f"{name} {tally[name]}" for name in ("met", "not resolved", "missed") if name in tally)
     return "\n".join([*lines, "", f"Verdicts: {counted or 'none'}."])

@@ -119,8 +119,10 @@ def test_the_one_rank_overhead_table_has_a_cell_per_variant_and_point() -> None:
         assert float(cells[1]) > 0  # plain DDP's step, µs
 
 
-def test_the_median_interval_covers_the_median_narrows_with_rounds_and_decides_the_verdict() -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+def test_the_median_interval_covers_the_median_narrows_with_rounds_and_decides_the_verdict(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import random
 
     from common import summary

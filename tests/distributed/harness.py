@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import os
@@ -14,7 +15,14 @@ from launcher import ROOT, Done, ranks, run
 from scenario import Config
 
 HERE = Path(__file__).parent
-__all__ = ["HERE", "ROOT", "fit", "run_worker"]
+__all__ = ["HERE", "ROOT", "fit", "logged_rows", "run_worker"]
+
+
+def logged_rows(tmp_path: Path, column: str) -> list[dict[str, str]]:
+    """The rows of the run's CSV log (rank 0's, under ``<out>.logs``) where ``column`` holds a value."""
+    (path,) = tmp_path.glob("*.logs/metrics.csv")
+    with path.open() as handle:
+        return [row for row in csv.DictReader(handle) if row.get(column)]
 
 
 def run_worker(

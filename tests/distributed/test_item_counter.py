@@ -2,18 +2,9 @@
 
 from __future__ import annotations
 
-import csv
-from pathlib import Path
-
 import pytest
-from harness import fit
+from harness import fit, logged_rows
 from scenario import Config, max_relative_error, reference
-
-
-def _rows(tmp_path: Path, column: str) -> list[dict[str, str]]:
-    (path,) = tmp_path.glob("*.logs/metrics.csv")
-    with path.open() as handle:
-        return [row for row in csv.DictReader(handle) if row.get(column)]
 
 
 def test_counts_from_the_batch_train_the_reference_and_the_csv_holds_the_weighted_objective(tmp_path):
@@ -23,7 +14,7 @@ def test_counts_from_the_batch_train_the_reference_and_the_csv_holds_the_weighte
     assert max_relative_error(result[0]["params"], expected["params"]) < 1e-5
     assert "It is recommended to use `self.log(" not in output  # the values are global already: no advice to act on
 
-    rows = _rows(tmp_path, "train/items")
+    rows = logged_rows(tmp_path, "train/items")
     assert len(rows) == len(expected["losses"]) == 3
     steps = zip(rows, expected["losses"], expected["items"], expected["local_items"], strict=True)
     for row, loss, items, local in steps:
@@ -33,7 +24,7 @@ def test_counts_from_the_batch_train_the_reference_and_the_csv_holds_the_weighte
         assert float(row["train/items_local"]) == local[0]  # rank 0 writes the log
         assert float(row["train/imbalance"]) == pytest.approx(2 * max(local) / items, rel=1e-6)  # logged as fp32
         assert float(row["train/items_per_sec"]) > 0
-    (epoch_row,) = _rows(tmp_path, "train/loss_epoch")
+    (epoch_row,) = logged_rows(tmp_path, "train/loss_epoch")
     pairs = zip(expected["losses"], expected["items"], strict=True)
     weighted = sum(loss * n for loss, n in pairs) / sum(expected["items"])
     assert float(epoch_row["train/loss_epoch"]) == pytest.approx(weighted, rel=1e-5)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 
 import pytest
 import torch
+from harness import logged_rows
 from scenario import max_relative_error, reference
 from sharded import ShardedConfig, fit_sharded
 
@@ -51,9 +51,7 @@ def test_tensor_parallel_peers_are_counted_once_through_the_data_parallel_group(
     assert [items for _, items, _ in weighted[0]["windows"]] == pytest.approx(expected["items"])
     assert max_relative_error(weighted[0]["params"], expected["params"]) < 1e-5
     # ItemCounter's imbalance, P · max_r n_r / N, over the P = 2 data-parallel ranks (not the 4 processes)
-    (path,) = tmp_path.glob("*.logs/metrics.csv")
-    with path.open() as handle:
-        logged = [float(row["train/imbalance"]) for row in csv.DictReader(handle) if row.get("train/imbalance")]
+    logged = [float(row["train/imbalance"]) for row in logged_rows(tmp_path, "train/imbalance")]
     windows = zip(expected["local_items"], expected["items"], strict=True)
     imbalances = [2 * max(local) / items for local, items in windows]
     assert logged == pytest.approx(imbalances, rel=1e-6) and max(imbalances) > 1.1

@@ -24,13 +24,10 @@ S = TypeVar("S")
 EXIT_WAIT_S = 5.0  # the longest the exit waits; a future still running then (a peer died mid-collective) is left
 
 _live: dict[int, Future[Any]] = {}  # id of each callback not yet released: the future it runs after
-_registered = False
 
 
 def then(future: Future[T], callback: Callable[[Future[T]], S]) -> Future[S]:
     """``future.then(callback)``, the callback counted until the thread that ran it has released it."""
-    if not _registered:
-        _register()
     return future.then(_Counted(callback, future))
 
 
@@ -48,14 +45,11 @@ class _Counted(Generic[T, S]):
         live.pop(id(self), None)
 
 
-def _register() -> None:
-    global _registered
-    _registered = True
-    atexit.register(_release_at_exit)
-
-
 def _release_at_exit() -> None:
     """Sleeps (without the GIL) while a completed future's callback is not released yet."""
     deadline = time.monotonic() + EXIT_WAIT_S
     while any(future.done() for future in list(_live.values())) and time.monotonic() < deadline:
         time.sleep(0.001)
+
+
+atexit.register(_release_at_exit)  # returns at once where no callback is live
