@@ -7,9 +7,10 @@ same on every rank), so each weighted strategy and its plain counterpart run sid
 
 Variants: ``fsdp2`` (Lightning's ``ModelParallelStrategy``, every rank data-parallel, each ``Linear`` and the
 model ``fully_shard``-ed; the module returns its local mean), ``fsdp2_control`` (a second one: the noise floor),
-``fsdp2_weighted`` (``"fsdp2_weighted"``, ``{"loss": mean, "count": n}``), ``fsdp`` (FSDP1 through
-``AnyDeviceFSDPStrategy``, Lightning's ``FSDPStrategy`` enabled on CPU, each ``Linear`` a unit) and
-``fsdp_weighted``. With ``--spec '{"memory": ...}'`` it trains one variant alone and reports the growth of its
+``fsdp2_weighted`` (``"fsdp2_weighted"``, ``{"loss": mean, "count": n}``: riding counts), ``fsdp2_weighted_ahead``
+(``"fsdp2_weighted"`` with the plain module and ``ItemCounter``: counts ahead), ``fsdp`` (FSDP1 through
+``AnyDeviceFSDPStrategy``, Lightning's ``FSDPStrategy`` enabled on CPU, each ``Linear`` a unit), ``fsdp_weighted``
+and ``fsdp_weighted_ahead``. With ``--spec '{"memory": ...}'`` it trains one variant alone and reports the growth of its
 peak resident memory. Also holds what ``run.py`` and ``report.py`` need for this level: its grid, the pooling of
 its repeats and its report section.
 """
@@ -43,20 +44,37 @@ from common import (
 )
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
+from report import ratio_cell
 from torch import Tensor, nn
 from trainer_step import WAIT_S, BatonFit, PlainModule, WeightedModule, _Sized, interleave
 
 import lightning_weighted
 from lightning_weighted import AnyDeviceFSDPStrategy
 
-VARIANTS = ("fsdp2", "fsdp2_control", "fsdp2_weighted", "fsdp", "fsdp_weighted")
-PAIRS = {"fsdp2_weighted": "fsdp2", "fsdp2_control": "fsdp2", "fsdp_weighted": "fsdp"}  # variant -> baseline
+VARIANTS = (
+    "fsdp2",
+    "fsdp2_control",
+    "fsdp2_weighted",
+    "fsdp2_weighted_ahead",
+    "fsdp",
+    "fsdp_weighted",
+    "fsdp_weighted_ahead",
+)
+PAIRS = {  # variant -> baseline
+    "fsdp2_weighted": "fsdp2",
+    "fsdp2_weighted_ahead": "fsdp2",
+    "fsdp2_control": "fsdp2",
+    "fsdp_weighted": "fsdp",
+    "fsdp_weighted_ahead": "fsdp",
+}
 TITLES = {
     "fsdp2": "plain FSDP2",
     "fsdp2_control": "plain FSDP2 (control)",
-    "fsdp2_weighted": "fsdp2_weighted",
+    "fsdp2_weighted": "fsdp2_weighted (riding counts)",
+    "fsdp2_weighted_ahead": "fsdp2_weighted (counts ahead)",
     "fsdp": "plain FSDP1",
-    "fsdp_weighted": "fsdp_weighted",
+    "fsdp_weighted": "fsdp_weighted (riding counts)",
+    "fsdp_weighted_ahead": "fsdp_weighted (counts ahead)",
 }
 
 
@@ -81,7 +99,7 @@ class ShardedWeighted(WeightedModule):
 
 def _module(name: str, point: Point) -> LightningModule:
     fsdp2 = name.startswith("fsdp2")
-    if name.endswith("_weighted"):
+    if name.endswith("_weighted"):  # returns its count; with counts ahead the module is the plain one
         return (ShardedWeighted if fsdp2 else WeightedModule)(make_model(point.size, point.seed))
     return (ShardedPlain if fsdp2 else PlainModule)(make_model(point.size, point.seed))
 
@@ -89,10 +107,11 @@ def _module(name: str, point: Point) -> LightningModule:
 def _strategy(name: str, timeout: float) -> Any:
     limit = timedelta(seconds=timeout)
     world = dist.get_world_size()
+    weighted = "_weighted" in name
     if name.startswith("fsdp2"):
-        cls = lightning_weighted.WeightedModelParallelStrategy if name.endswith("_weighted") else ModelParallelStrategy
+        cls = lightning_weighted.WeightedModelParallelStrategy if weighted else ModelParallelStrategy
         return cls(data_parallel_size=world, tensor_parallel_size=1, timeout=limit)
-    cls = lightning_weighted.WeightedFSDPStrategy if name.endswith("_weighted") else AnyDeviceFSDPStrategy
+    cls = lightning_weighted.WeightedFSDPStrategy if weighted else AnyDeviceFSDPStrategy
     return cls(auto_wrap_policy={nn.Linear}, timeout=limit)
 
 
@@ -159,13 +178,16 @@ class Fit(BatonFit):
             for m in range(point.accumulate)
         ]
         self.loader = _Sized(BatchStream(batches), len(batches))
+        callbacks: list[Callback] = [self.baton, _Final(self)]
+        if name.endswith("_ahead"):
+            callbacks.append(lightning_weighted.ItemCounter("tokens", key=2, mask=True, log=False))
         self.trainer = Trainer(
             strategy=_strategy(name, timeout),
             accelerator="cpu",
             devices=dist.get_world_size(),
             max_steps=steps,
             accumulate_grad_batches=point.accumulate,
-            callbacks=[self.baton, _Final(self)],
+            callbacks=callbacks,
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -318,10 +340,6 @@ def pool(repeats: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return pooled
 
 
-def _cell(stats: dict[str, float]) -> str:
-    return f"{stats['median']:.3f} [{stats['p10']:.3f}, {stats['p90']:.3f}]"
-
-
 def section(data: dict[str, Any]) -> str:
     """RESULTS.md's section on the sharded strategies."""
     entries, memory = data.get("sharded") or [], data.get("sharded_memory") or []
@@ -337,29 +355,31 @@ def section(data: dict[str, Any]) -> str:
         " as in the Trainer benchmark (`sharded_step.py`): **plain FSDP2** is Lightning's `ModelParallelStrategy`"
         " (each `Linear` and the model `fully_shard`-ed over every rank; it reduce-scatters every microbatch),"
         " **plain FSDP1** is Lightning's `FSDPStrategy` enabled on CPU (each `Linear` a unit; it reduce-scatters"
-        " once per window). Ratios are paired with the plain counterpart of the same round: median [p10, p90].",
+        " once per window). Each weighted strategy runs twice: with riding counts (the module returns"
+        " `{'loss': mean, 'count': n}`) and with counts ahead (the plain module and `ItemCounter`). Ratios are paired"
+        " with the plain counterpart of the same round: median (its 95 % confidence interval) [p10, p90].",
         "",
-        "| point | plain FSDP2 step (ms) | control ÷ FSDP2 | fsdp2_weighted ÷ FSDP2 | plain FSDP1 step (ms) |"
-        " fsdp_weighted ÷ FSDP1 | deviation / gradient deviation: FSDP2, fsdp2_weighted, FSDP1, fsdp_weighted |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| point | plain FSDP2 step (ms) | control ÷ FSDP2 | fsdp2_weighted (riding counts) ÷ FSDP2 |"
+        " fsdp2_weighted (counts ahead) ÷ FSDP2 | plain FSDP1 step (ms) | fsdp_weighted (riding counts) ÷ FSDP1 |"
+        " fsdp_weighted (counts ahead) ÷ FSDP1 | deviation / gradient deviation, in the column order |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
+    shown = ("fsdp2", "fsdp2_weighted", "fsdp2_weighted_ahead", "fsdp", "fsdp_weighted", "fsdp_weighted_ahead")
     for e in entries:
-        p, dev, grad = e["point"], e.get("deviation") or {}, e.get("gradient_deviation") or {}
-        devs = ", ".join(
-            f"{dev[n]:.1e} / {grad[n]:.1e}" for n in ("fsdp2", "fsdp2_weighted", "fsdp", "fsdp_weighted") if n in dev
-        )
+        p, dev, grad, ratio = e["point"], e.get("deviation") or {}, e.get("gradient_deviation") or {}, e["ratio"]
+        devs = ", ".join(f"{dev[n]:.1e} / {grad[n]:.1e}" for n in shown if n in dev)
+        cells = {n: ratio_cell(ratio[n], interval=True) if n in ratio else "–" for n in PAIRS}
         lines.append(
             f"| {p['size']} A={p['accumulate']} {p['dtype']} ({p['rounds']} rounds) | {e['ms']['fsdp2']:.2f} |"
-            f" {_cell(e['ratio']['fsdp2_control'])} | {_cell(e['ratio']['fsdp2_weighted'])} | {e['ms']['fsdp']:.2f} |"
-            f" {_cell(e['ratio']['fsdp_weighted'])} |"
-            f" {devs or '–'} |"
+            f" {cells['fsdp2_control']} | {cells['fsdp2_weighted']} | {cells['fsdp2_weighted_ahead']} |"
+            f" {e['ms']['fsdp']:.2f} | {cells['fsdp_weighted']} | {cells['fsdp_weighted_ahead']} | {devs or '–'} |"
         )
     lines += ["", "Collectives per optimizer step (calls, bytes each rank sends), counted over one warm-up step:", ""]
     lines += ["| point | variant | collectives |", "|---|---|---|"]
     for e in entries:
         p = e["point"]
-        for name in VARIANTS:
-            counted = e["collectives"].get(name, {})
+        for name in (name for name in VARIANTS if name in e["collectives"]):
+            counted = e["collectives"][name]
             listed = ", ".join(f"{k} ×{int(v[0])} ({int(v[1]):,} B)" for k, v in sorted(counted.items()))
             lines.append(f"| {p['size']} A={p['accumulate']} | {TITLES[name]} | {listed} |")
     if memory:

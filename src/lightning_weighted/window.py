@@ -45,10 +45,12 @@ class LossScale(Enum):
     - ``MEAN_SIZED``: :math:`c_r = n^{\mathrm{ref}}_r`, the rank's first positive count of the window: losses stay
       of the size of a mean, for reductions that would overflow with item sums (fp16), and are untouched with
       one microbatch per window.
-    - ``GLOBAL_MEAN``: :math:`c_r = N / P`, the same on every rank: each loss enters its backward weighted as in
-      :math:`g`, times :math:`P`, so a reduction that averages over the :math:`P` ranks (DDP's own) gives :math:`g`
-      with nothing left to divide, at any precision. The window's counts must be summed before its first
-      backward: :meth:`Window.plan` them from the batches ahead, :meth:`Window.receive` their SUM.
+    - ``GLOBAL_MEAN``: :math:`c_r = N / D`, the same on every rank: each loss enters its backward weighted as in
+      :math:`g`, times :math:`D`, what the reduction divides the SUM of the gradients by, so that it gives
+      :math:`g` with nothing left to divide, at any precision: :math:`D = P` for a reduction that averages over the
+      :math:`P` ranks (DDP's own), 1 for one that SUMs (FSDP's, as the sharded strategies configure it). The
+      window's counts must be summed before its first backward: :meth:`Window.plan` them from the batches ahead,
+      :meth:`Window.receive` their SUM.
     """
 
     ITEM_SUM = "item_sum"
@@ -111,7 +113,7 @@ class Window:
             self._record(count)
 
     def receive(self, items: float | Tensor, ranks: int) -> None:
-        """Takes ``N``, the SUM of the planned counts over the ``ranks`` ranks that average the gradients.
+        """Takes ``N``, the SUM of the planned counts over the ranks; ``ranks`` is :math:`D` (see ``GLOBAL_MEAN``).
 
         ``N`` may still be on the device (a 0-dim tensor): the factors are then tensors too, and nothing is read.
         """

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from launcher import ROOT, Done, ranks, run
 from scenario import Config
 
 HERE = Path(__file__).parent
-__all__ = ["HERE", "ROOT", "fit", "logged_rows", "run_worker"]
+__all__ = ["HERE", "ROOT", "fit", "logged_rows", "run_worker", "strategy_reads"]
 
 
 def logged_rows(tmp_path: Path, column: str) -> list[dict[str, str]]:
@@ -23,6 +24,15 @@ def logged_rows(tmp_path: Path, column: str) -> list[dict[str, str]]:
     (path,) = tmp_path.glob("*.logs/metrics.csv")
     with path.open() as handle:
         return [row for row in csv.DictReader(handle) if row.get(column)]
+
+
+def strategy_reads(record: dict[str, Any], kind: str, ours: bool = False) -> Counter[int]:
+    """Host reads of ``kind`` tensors (``reads.ReadSpy``) per optimizer step; ``ours``: by lightning_weighted only."""
+    return Counter(
+        mark[0]
+        for read_kind, _, module, mark in record["reads"]
+        if read_kind == kind and mark is not None and (not ours or module.startswith("lightning_weighted"))
+    )
 
 
 def run_worker(

@@ -19,6 +19,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
+from reads import to_host
 from scenario import Config, WeightedModule, make_batches, shared_dataset
 from torch import Tensor, nn
 from worker import Recorder, make_counter, rank_arguments
@@ -110,6 +111,8 @@ class ShardedModule(WeightedModule):
         if self.config.items is not None:  # one data set, sharded by Lightning's sampler (which the strategy swaps)
             return DataLoader(shared_dataset(self.config), batch_size=self.config.batch_size, shuffle=True)
         epochs = [make_batches(self.config, self.data_rank, e) for e in range(self.config.epochs)]
+        if self.config.host_reads:
+            epochs = [[to_host(b) for b in e] for e in epochs]
         if self.config.iterable:
             return DataLoader(_EpochStream(epochs, self), batch_size=None)
         return DataLoader(_EpochList([b for e in epochs for b in e], len(epochs[0]), self), batch_size=None)
@@ -184,6 +187,8 @@ class ShardedRecorder(Recorder):
         self.steps[-1]["lr"] = optimizer.param_groups[0]["lr"]
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.spy.active = False
+        self.spy.uninstall()
         for name, original in self._originals.items():
             setattr(dist, name, original)
         with full(trainer):
@@ -199,6 +204,8 @@ class ShardedRecorder(Recorder):
             "windows": self.windows,
             "batches": self.batches,
             "audits": [dataclasses.asdict(r) for r in self.audit.reports] if self.config.audit else [],
+            "counts_ahead": getattr(trainer.strategy, "counts_ahead", None),
+            "reads": self.spy.reads,
         }
         torch.save(record, f"{self.out}.rank{trainer.global_rank}")
 

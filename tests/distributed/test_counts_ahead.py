@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 import torch
-from harness import fit
+from harness import fit, strategy_reads
 from scenario import Config, max_relative_error, reference
 
 AHEAD = Config(strategy="ddp_weighted", counter="mask", bare_loss=True)
@@ -143,15 +143,6 @@ def test_a_returned_count_that_agrees_with_item_counter_trains_the_reference(tmp
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
 
 
-def _reads(record: dict, kind: str, strategy_only: bool = False) -> Counter:
-    """Host reads of `kind` tensors per optimizer step (made by lightning_weighted's strategy code only)."""
-    return Counter(
-        mark[0]
-        for read_kind, _, module, mark in record["reads"]
-        if read_kind == kind and mark is not None and (not strategy_only or module.startswith("lightning_weighted"))
-    )
-
-
 def test_no_count_is_read_back_from_the_device_and_the_strategy_reads_the_host_once_per_step(tmp_path):
     # batches reach the "device" as DeviceTensor: a host read of one of them would be a sync on a GPU
     config = dataclasses.replace(AHEAD, accumulate=2, lengths=(5, 3), epochs=2, host_reads=True, counter="quiet")
@@ -159,10 +150,12 @@ def test_no_count_is_read_back_from_the_device_and_the_strategy_reads_the_host_o
     _ahead(result)
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
     for rank in result:
-        assert _reads(rank, "device") == Counter()  # ItemCounter counted the host batches as the loader gave them
+        assert (
+            strategy_reads(rank, "device") == Counter()
+        )  # ItemCounter counted the host batches as the loader gave them
         # one read per optimizer step: the handover, after the window's last backward (at an epoch's first window
         # with the window's own N, which stayed on the device until then)
-        assert _reads(rank, "other", strategy_only=True) == Counter({step: 1 for step in range(6)})
+        assert strategy_reads(rank, "other", ours=True) == Counter({step: 1 for step in range(6)})
 
 
 def test_returned_device_counts_are_read_back_once_per_microbatch_where_counts_ride(tmp_path):
@@ -172,4 +165,4 @@ def test_returned_device_counts_are_read_back_once_per_microbatch_where_counts_r
     assert result[0]["counts_ahead"] is False
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
     for rank, held in zip(result, config.lengths, strict=True):
-        assert sum(_reads(rank, "device").values()) == held  # every real microbatch: a sync on a GPU
+        assert sum(strategy_reads(rank, "device").values()) == held  # every real microbatch: a sync on a GPU

@@ -68,8 +68,53 @@ def test_uneven_batch_counts_train_the_global_item_mean_over_two_epochs(tmp_path
     steps = -(-max(lengths) // 2)
     ran = steps * 2 if iterable else max(lengths)
     for rank, held in zip(result, lengths, strict=True):
+        assert rank["counts_ahead"] is iterable  # ItemCounter and one loader: each window counted before it starts
         assert rank["global_step"] == 2 * steps  # the same step on every rank
         assert rank["padding"] == ([False] * held + [True] * (ran - held)) * 2  # replays of an exhausted rank
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_counted_ahead_masked_microbatches_exhausted_ranks_and_empty_windows_contribute_nothing(tmp_path, strategy):
+    # ItemCounter counts ahead; rank 1 runs out after 3 batches and replays, rank 0's microbatch 1 is fully masked
+    # (a NaN mean), and window 1 holds no item on any rank
+    config = ShardedConfig(
+        strategy=strategy,
+        accumulate=2,
+        lengths=(6, 3),
+        masked=[(0, 1)],
+        empty_windows=[1],
+        epochs=2,
+        optimizer="adam",
+        lr=0.05,
+        counter="quiet",
+        bare_loss=True,
+    )
+    result = fit_sharded(config, tmp_path)
+    assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
+    for rank, held in zip(result, config.lengths, strict=True):
+        assert rank["counts_ahead"] is True
+        assert rank["padding"] == ([False] * held + [True] * (6 - held)) * 2
+        assert rank["skipped_steps"] == 2  # the empty window, in each epoch
+        assert identical(rank["steps"][1]["params"], rank["steps"][0]["params"])
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        # ItemCounter's count of rank 1's batch 3 is negative: known on the host before the window starts
+        ({"counter": "bad"}, "ValueError: on rank 1, a microbatch's count is negative (-1.0)"),
+        # found after the window's counts were summed: the flag rides in the handover, the details follow
+        (
+            {"counter": "quiet", "bad_count": [1, 3, 99]},
+            "ValueError: on rank 1, training_step returned count=99.0, which differs from the count ItemCounter",
+        ),
+    ],
+)
+def test_a_bad_count_taken_ahead_raises_the_same_error_on_every_rank(tmp_path, strategy, change, error):
+    config = dataclasses.replace(ShardedConfig(strategy=strategy, accumulate=2), **change)
+    done = fit_sharded(config, tmp_path, timeout=90, expect_failure=True)
+    assert done.stdout.count(error) == 2, done.stdout[-4000:]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

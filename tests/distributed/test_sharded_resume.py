@@ -15,15 +15,21 @@ def _checkpoint(tmp_path: Path, name: str) -> str:
     return str(path)
 
 
+TOLERANCE = {
+    "fsdp2_weighted": 1e-12,  # a float64 model: FSDP2 keeps its dtype (measured: 0.0, sharded and full)
+    "fsdp_weighted": 1e-7,  # FSDP1 converts the model to float32 (measured: 0.0, sharded and full)
+}
+
+
 @pytest.mark.parametrize(
-    ("strategy", "tolerance"),
+    ("strategy", "full", "counts_ahead"),
     [
-        ("fsdp2_weighted", 1e-12),  # a float64 model: FSDP2 keeps its dtype (measured: 0.0, sharded and full)
-        ("fsdp_weighted", 1e-7),  # FSDP1 converts the model to float32 (measured: 0.0, sharded and full)
+        *((strategy, full, False) for strategy in TOLERANCE for full in (False, True)),
+        *((strategy, False, True) for strategy in TOLERANCE),  # ItemCounter: the counts taken ahead
     ],
 )
-@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
-def test_resuming_from_an_epoch_end_checkpoint_matches_the_uninterrupted_run(tmp_path, strategy, tolerance, full):
+def test_resuming_from_an_epoch_end_checkpoint_matches_the_uninterrupted_run(tmp_path, strategy, full, counts_ahead):
+    tolerance = TOLERANCE[strategy]
     base = ShardedConfig(
         strategy=strategy,
         accumulate=3,
@@ -32,6 +38,8 @@ def test_resuming_from_an_epoch_end_checkpoint_matches_the_uninterrupted_run(tmp
         lengths=(7, 5),
         float64=strategy == "fsdp2_weighted",
         full_checkpoint=full,
+        counter="quiet" if counts_ahead else None,
+        bare_loss=counts_ahead,
     )
     uninterrupted = fit_sharded(base, tmp_path / "u")
     fit_sharded(dataclasses.replace(base, epochs=1, checkpoint=True), tmp_path / "a")
@@ -43,5 +51,6 @@ def test_resuming_from_an_epoch_end_checkpoint_matches_the_uninterrupted_run(tmp
         for a, b in zip(resumed[0]["params"], uninterrupted[0]["params"], strict=True)
     )
     assert difference < tolerance
+    assert all(rank["counts_ahead"] is counts_ahead for rank in resumed + uninterrupted)
     assert resumed[0]["global_step"] == uninterrupted[0]["global_step"] == 6
     assert max_relative_error(resumed[0]["params"], reference(base)["params"]) < tolerance * 10

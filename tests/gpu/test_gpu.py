@@ -62,11 +62,14 @@ def test_the_worked_trace_under_fsdp2_on_one_rank(tmp_path, device, strategy, w)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_fsdp2_oracle_matches_the_float64_reference_on_one_rank(tmp_path, device):
+@pytest.mark.parametrize("counter", [None, "quiet"])
+def test_the_fsdp2_oracle_matches_the_float64_reference_on_one_rank(tmp_path, device, counter):
     config = ShardedConfig(
-        **{**dataclasses.asdict(ORACLE), "strategy": "fsdp2_weighted", "world_size": 1, "device": device}
+        **{**dataclasses.asdict(ORACLE), "strategy": "fsdp2_weighted", "world_size": 1, "device": device},
     )
+    config = dataclasses.replace(config, counter=counter, bare_loss=bool(counter))
     (record,) = fit_sharded(config, tmp_path, timeout=240)
+    assert record["counts_ahead"] is (counter is not None)
     assert max_relative_error(record["params"], reference(config)["params"]) < 1e-5
 
 

@@ -103,6 +103,27 @@ def test_random_counts_and_windows_match_the_weighted_mean(seed, scale):
     assert _synchronized_gradient(counts, grads, scale) == pytest.approx(expected, rel=1e-12, abs=1e-12)
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_global_mean_factors_against_a_sum_reduction_give_the_weighted_mean_with_nothing_to_divide(seed):
+    # the sharded strategies' reductions SUM: N is received with a divisor of 1, each factor is n / N
+    rng = random.Random(seed)
+    counts = [[rng.choice([0, 1, 3, 17, 2.5]) for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(1, 5))]
+    grads = [[rng.uniform(-5, 5) for _ in c] for c in counts]
+    total = sum(map(sum, counts))
+    windows = [Window(LossScale.GLOBAL_MEAN) for _ in counts]
+    for window, rank_counts in zip(windows, counts, strict=True):
+        window.plan(Count(n) for n in rank_counts)
+        window.receive(total, ranks=1)
+    summed = sum(
+        window.add(Count(n)) * g
+        for window, cs, gs in zip(windows, counts, grads, strict=True)
+        for n, g in zip(cs, gs, strict=True)
+    )
+    pairs = ((n, g) for cs, gs in zip(counts, grads, strict=True) for n, g in zip(cs, gs, strict=True))
+    expected = sum(n * g for n, g in pairs) / total if total else 0.0
+    assert summed == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
 def test_item_sum_factors_are_the_counts_and_mean_sized_ones_are_relative_to_the_first_positive_count():
     item_sums = Window(LossScale.ITEM_SUM)
     assert [item_sums.add(Count(n)) for n in (0, 4, 2)] == [0.0, 4.0, 2.0]

@@ -1,11 +1,12 @@
 """The Trainer adapter's windows when their counts are taken from the batches ahead (see :mod:`..lookahead`).
 
 Each window is planned before its first forward. An epoch's first window is planned at its first batch and its
-counts summed there by one float64 all-reduce, whose result stays on the device: its factors :math:`P n / N` are
-device tensors, and its ``N`` reaches the host with the read at its end. Every later window is planned at the
-syncing microbatch of the window before it, whose handover (:class:`~lightning_weighted._counts.Handover`) brings
-its ``N`` back with the gradients: its factors are numbers on the host before its first forward. Nothing is read
-from the device but one handover per optimizer step.
+counts summed there by one float64 all-reduce, whose result stays on the device: its factors :math:`P n / N` (or
+:math:`n / N` for a reduction that sums) are device tensors, and its ``N`` reaches the host with the read at its
+end. Every later window is planned at the syncing microbatch of the window before it, whose handover
+(:class:`~lightning_weighted._counts.Handover`) brings its ``N`` back with the gradients or in a float64 all-reduce
+of its own: its factors are numbers on the host before its first forward. Nothing is read from the device but one
+handover per optimizer step.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ class WindowsAhead:
     Args:
         counter: how a batch is counted on the host.
         participation: the rank's epoch (which batches are replays).
-        ranks: the ranks the counts are summed over, and the gradients averaged over.
+        divisor: what the engine's reduction divides the SUM of the gradients by: ``P``, the ranks the counts are
+            summed over, where it averages (DDP); 1 where it sums (FSDP, as the sharded strategies configure it).
         size_at: how many batches the window that would start at a given ``batch_idx`` holds.
         start_sum: starts the SUM over the ranks of a float64 vector; returns it and the work to wait for.
     """
@@ -38,12 +40,12 @@ class WindowsAhead:
         self,
         counter: BatchCounter,
         participation: Participation,
-        ranks: int,
+        divisor: int,
         size_at: Callable[[int], int],
         start_sum: Callable[[list[float]], tuple[Tensor, Any]],
     ) -> None:
         self.lookahead = Lookahead(counter, participation)
-        self.ranks, self.size_at, self.start_sum = ranks, size_at, start_sum
+        self.divisor, self.size_at, self.start_sum = divisor, size_at, start_sum
         self.window: Window | None = None  # in progress; its N received
         self.following: Window | None = None  # planned at the syncing microbatch of `window`
         self.count = Count(0.0)  # the planned count of the batch in progress
@@ -57,7 +59,7 @@ class WindowsAhead:
             window.plan([self.count, *self.lookahead.ahead(self.size_at(batch_idx) - 1)])
             summed, work = self.start_sum([window.items])
             work.wait()  # on a GPU the stream waits, not the host
-            window.receive(summed[0], self.ranks)
+            window.receive(summed[0], self.divisor)
             self.window, self.following, self._epoch = window, None, self.lookahead.epoch
         return self.window
 
@@ -86,6 +88,6 @@ class WindowsAhead:
         items = summed.pop() if on_device is not None else window.total
         assert isinstance(items, float)
         if self.following is not None:
-            self.following.receive(summed[Handover.ITEMS], self.ranks)
+            self.following.receive(summed[Handover.ITEMS], self.divisor)
         self.window, self.following = self.following, None
         return window, settled(items, summed)

@@ -20,10 +20,13 @@ __all__ = ["ShardedAdapter"]
 class ShardedAdapter(TrainerAdapter):
     """The engine hooks of a sharded strategy (see :mod:`lightning_weighted.reduce.sharded`).
 
-    Losses are item sums; the window's counts are summed by one float64 all-reduce started before the backward
-    that ends the window; the local gradient shards are divided by ``N`` before clipping; an empty microbatch runs
-    its backward with :attr:`ShardedReduceState.empty` set, so its gradient reaches the reduction as exact zeros.
-    Subclasses put it before their Lightning strategy and configure the engine's reduction with ``_reduce``.
+    Every reduction SUMs. Where ``training_step`` gives the counts, losses are item sums, the window's counts are
+    summed by one float64 all-reduce started before the backward that ends the window, and the local gradient
+    shards are divided by ``N`` before clipping. Where ``ItemCounter`` counts the batches ahead, each loss is scaled
+    by ``n / N`` before its backward, so the SUM is the update itself: no division, and the all-reduce carries the
+    next window's count. An empty microbatch runs its backward with :attr:`ShardedReduceState.empty` set, so its
+    gradient reaches the reduction as exact zeros. Subclasses put it before their Lightning strategy and configure
+    the engine's reduction with ``_reduce``.
     """
 
     def __init__(self, *args: Any, participation: Policy = "pad", **kwargs: Any) -> None:
@@ -43,7 +46,13 @@ class ShardedAdapter(TrainerAdapter):
         return self._reduce.counts()
 
     @override
+    def _divisor(self) -> int | None:
+        return 1  # the reductions SUM: each loss scaled by n / N makes the SUM the update
+
+    @override
     def _normalize(self, items: float) -> None:
+        if self.counts_ahead:
+            return  # the losses were scaled by n / N
         assert self.model is not None
         divide_gradients(self.model.parameters(), items)
 

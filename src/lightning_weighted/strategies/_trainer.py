@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import torch
@@ -52,9 +51,10 @@ class TrainerAdapter(ParallelStrategy):
     :meth:`_count_group` (the ranks whose counts are summed, when not all of them).
 
     Counts ahead: where a :class:`~lightning_weighted.lookahead.BatchCounter` (``ItemCounter``) counts the batches
-    and the engine's reduction averages the gradients unaided (:meth:`_averages`), every window is planned before
-    its first forward and its losses scaled by ``P n / N`` (``LossScale.GLOBAL_MEAN``, see ``_ahead.py``); the
-    engine then only carries each window's handover (:meth:`_hand_over`, :meth:`_handed_over`).
+    and the engine's reduction, left as it is, divides the SUM of the gradients by a known number (:meth:`_divisor`),
+    every window is planned before its first forward and its losses scaled by that number times ``n / N``
+    (``LossScale.GLOBAL_MEAN``, see ``_ahead.py``); the engine then only carries each window's handover
+    (:meth:`_hand_over`, :meth:`_handed_over`).
     """
 
     strategy_name: str
@@ -103,9 +103,13 @@ class TrainerAdapter(ParallelStrategy):
         """The group a window's counts are summed over: the ranks that see different data (``None``: all)."""
         return None
 
-    def _averages(self) -> bool:
-        """Whether the engine's reduction, left without a hook, averages the gradients over the counting ranks."""
-        return False
+    def _divisor(self) -> int | None:
+        """What the engine's reduction, left without a hook, divides the SUM of the gradients by.
+
+        The number of counting ranks where it averages, 1 where it sums; ``None`` where it does neither, and counts
+        are never taken ahead.
+        """
+        return None
 
     def _choose(self, ahead: bool) -> None:
         """Sets the engine up for counts ahead or not; runs once training starts, the same on every rank."""
@@ -114,9 +118,9 @@ class TrainerAdapter(ParallelStrategy):
         """Starts the SUM of this rank's handover right before the backward that ends a window (counts ahead).
 
         ``fill`` adds this rank's share of the loss to the handover's loss slot, on the device. By default one
-        float64 all-reduce.
+        float64 all-reduce over the counting ranks.
         """
-        self._handover = start_sum(handover, self.root_device, fill)
+        self._handover = self._start_sum(handover, fill)
 
     def _handed_over(self, also: Tensor | None = None) -> list[float]:
         """The SUM of every rank's handover after the backward that ends the window, on the host (one read).
@@ -141,9 +145,9 @@ class TrainerAdapter(ParallelStrategy):
             )
         counter = next((c for c in trainer.callbacks if isinstance(c, BatchCounter)), None)  # type: ignore[attr-defined]
         fetches_itself = is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True)
-        if counter is not None and self._averages() and not fetches_itself:
-            start = partial(start_sum, device=self.root_device)
-            self._ahead = WindowsAhead(counter, self._participation, self.world_size, self._window_size, start)
+        divisor = self._divisor()
+        if counter is not None and divisor is not None and not fetches_itself:
+            self._ahead = WindowsAhead(counter, self._participation, divisor, self._window_size, self._start_sum)
             self._loaders.lookahead = self._ahead.lookahead
         super().setup(trainer)
         # No Strategy hook fits either: Lightning ends an epoch only when the module's `on_train_batch_start`
@@ -235,9 +239,7 @@ class TrainerAdapter(ParallelStrategy):
                 self._hand_over(window.handover(following, more), window.add_share)
             else:
                 assert isinstance(window.reference, float)  # riding windows never wait for their N
-                group = self._count_group()
-                rank = self.global_rank if group is None else dist.get_group_rank(group, self.global_rank)
-                self._start_sync(window.payload(rank, more), window.reference)
+                self._start_sync(window.payload(self._count_rank(), more), window.reference)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
@@ -269,7 +271,8 @@ class TrainerAdapter(ParallelStrategy):
             window, summed = self._ahead.end_window(self._handed_over)
             self._window = self._ahead.window
             if summed[Slot.INVALID] > 0:  # which rank and which value: one more SUM, on every rank alike
-                summed = sum_counts(window.payload(self.global_rank, False), self.root_device).wait().tolist()
+                payload = window.payload(self._count_rank(), False)
+                summed = sum_counts(payload, self.root_device, self._count_group()).wait().tolist()
         else:
             window, self._window = self._window or Window(self._loss_scale()), None
             summed = self._summed_counts()
@@ -287,6 +290,15 @@ class TrainerAdapter(ParallelStrategy):
             f"The global item count of the window ending at step {step} is 0: the optimizer and step-interval LR"
             " schedulers were not stepped."
         )
+
+    def _count_rank(self) -> int:
+        """This rank's index in the group the counts are summed over."""
+        group = self._count_group()
+        return self.global_rank if group is None else dist.get_group_rank(group, self.global_rank)
+
+    def _start_sum(self, values: list[float], fill: Callable[[Tensor], None] | None = None) -> tuple[Tensor, dist.Work]:
+        """Starts the SUM of a float64 vector over the counting ranks (see :func:`~.reduce.counts.start_sum`)."""
+        return start_sum(values, self.root_device, fill, self._count_group())
 
     def _window_size(self, batch_idx: int) -> int:
         """How many batches Lightning accumulates into the window that would start at ``batch_idx``."""

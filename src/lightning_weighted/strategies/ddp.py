@@ -181,8 +181,8 @@ class WeightedDDPStrategy(TrainerAdapter, DDPStrategy):
         return self._scale or LossScale.ITEM_SUM
 
     @override
-    def _averages(self) -> bool:
-        return True  # without a communication hook, DDP's reducer divides by the world size as it fills a bucket
+    def _divisor(self) -> int | None:
+        return self.world_size  # without a communication hook, DDP's reducer divides by it as it fills a bucket
 
     @override
     def _zero_loss(self, loss: Tensor | None) -> Tensor:

@@ -108,7 +108,9 @@ class WeightedFSDPStrategy(ShardedAdapter, AnyDeviceFSDPStrategy):
     Its communication hook SUM-reduce-scatters item-sum gradients once per window, as Lightning's ``FSDPStrategy``
     does (the unsharded gradient is accumulated over the window's microbatches, an empty one's zeroed on its way
     in), the window's counts are summed by one 48-byte all-reduce, and the local gradient shards are divided by
-    ``N`` before clipping and the optimizer (see :mod:`lightning_weighted.reduce.sharded`).
+    ``N`` before clipping and the optimizer (see :mod:`lightning_weighted.reduce.sharded`). With an ``ItemCounter``
+    the counts are taken ahead: each loss is scaled by ``n / N`` before its backward, nothing is divided, and the
+    all-reduce (32 bytes) carries the next window's count.
 
     Args:
         *args: ``FSDPStrategy``'s arguments. ``sharding_strategy`` must shard: ``"FULL_SHARD"`` (default) or

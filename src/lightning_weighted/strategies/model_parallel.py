@@ -32,8 +32,10 @@ class WeightedModelParallelStrategy(ShardedAdapter, ModelParallelStrategy):
     Every FSDP module SUM-reduces item-sum gradients on each microbatch (FSDP2's default under accumulation in
     Lightning: no unsharded gradient is held between microbatches), the window's counts are summed over the
     data-parallel group by one 48-byte all-reduce, and the local gradient shards are divided by ``N`` before
-    clipping and the optimizer (see :mod:`lightning_weighted.reduce.sharded`). Float16 computation or reduction
-    (``"16-mixed"``, ``"16-true"``, a ``MixedPrecisionPolicy`` in float16) is refused: item sums overflow it.
+    clipping and the optimizer (see :mod:`lightning_weighted.reduce.sharded`). With an ``ItemCounter`` the counts
+    are taken ahead: each loss is scaled by ``n / N`` before its backward, nothing is divided, and the all-reduce
+    (32 bytes) carries the next window's count. Float16 computation or reduction (``"16-mixed"``, ``"16-true"``, a
+    ``MixedPrecisionPolicy`` in float16) is refused: item sums overflow it.
 
     Args:
         data_parallel_size: ranks that see different data; ``"auto"``: the world size divided by
