@@ -112,16 +112,16 @@ class Window:
         for count in counts:
             self._record(count)
 
-    def receive(self, items: float | Tensor, ranks: int) -> None:
-        """Takes ``N``, the SUM of the planned counts over the ranks; ``ranks`` is :math:`D` (see ``GLOBAL_MEAN``).
+    def receive(self, items: float | Tensor, divisor: int) -> None:
+        """Takes ``N``, the SUM of the planned counts over the ranks, and :math:`D` (see ``GLOBAL_MEAN``).
 
         ``N`` may still be on the device (a 0-dim tensor): the factors are then tensors too, and nothing is read.
         """
         self.total = items
         if isinstance(items, Tensor):
-            self.reference = torch.where(items > 0, items, torch.ones_like(items)) / ranks
+            self.reference = torch.where(items > 0, items, torch.ones_like(items)) / divisor
         else:
-            self.reference = (items if items > 0 else 1.0) / ranks  # N = 0: every factor is 0 anyway
+            self.reference = (items if items > 0 else 1.0) / divisor  # N = 0: every factor is 0 anyway
 
     def add(self, count: Count, loss: Tensor | None = None, item_sum: bool = False) -> float | Tensor:
         """Records one microbatch; returns the factor its loss is multiplied by (0.0: it contributes nothing).

@@ -43,7 +43,7 @@ def _windows(counts: list[list[float]], scale: LossScale = LossScale.ITEM_SUM) -
         for window, rank_counts in zip(windows, counts, strict=True):
             window.plan(Count(n) for n in rank_counts)
         for window in windows:
-            window.receive(sum(w.items for w in windows), ranks=len(windows))
+            window.receive(sum(w.items for w in windows), divisor=len(windows))
     return [(w, [w.add(Count(n)) for n in c]) for w, c in zip(windows, counts, strict=True)]
 
 
@@ -113,7 +113,7 @@ def test_global_mean_factors_against_a_sum_reduction_give_the_weighted_mean_with
     windows = [Window(LossScale.GLOBAL_MEAN) for _ in counts]
     for window, rank_counts in zip(windows, counts, strict=True):
         window.plan(Count(n) for n in rank_counts)
-        window.receive(total, ranks=1)
+        window.receive(total, divisor=1)
     summed = sum(
         window.add(Count(n)) * g
         for window, cs, gs in zip(windows, counts, grads, strict=True)

@@ -127,10 +127,8 @@ class FabricAdapter(ParallelStrategy):
             tensor = tensor * factor
         if ends:
             more = self._participation is None or self._participation.has_more()
-            group = self._count_group()
-            rank = self.global_rank if group is None else dist.get_group_rank(group, self.global_rank)
             assert isinstance(window.reference, float)  # Fabric's windows are never planned ahead
-            self._start_sync(window.payload(rank, more), window.reference)
+            self._start_sync(window.payload(dist.get_rank(self._count_group()), more), window.reference)
         elif syncs:
             self._hold()
         super().backward(tensor, module, *args, **kwargs)

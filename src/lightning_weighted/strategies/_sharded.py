@@ -51,8 +51,6 @@ class ShardedAdapter(TrainerAdapter):
 
     @override
     def _normalize(self, items: float) -> None:
-        if self.counts_ahead:
-            return  # the losses were scaled by n / N
         assert self.model is not None
         divide_gradients(self.model.parameters(), items)
 

@@ -92,7 +92,10 @@ class TrainerAdapter(ParallelStrategy):
         raise NotImplementedError
 
     def _normalize(self, items: float) -> None:
-        """Brings ``N`` to gradients the reduction left as item sums; nothing where the reduction did it."""
+        """Brings ``N`` to gradients the reduction left as item sums; nothing where the reduction did it.
+
+        Not called where the counts were taken ahead: the losses were scaled by ``N`` before their backward.
+        """
 
     def _zero_loss(self, loss: Tensor | None) -> Tensor:
         """An exact zero standing for ``loss``, whose own mean may be NaN (0/0 over a fully masked microbatch)."""
@@ -239,7 +242,7 @@ class TrainerAdapter(ParallelStrategy):
                 self._hand_over(window.handover(following, more), window.add_share)
             else:
                 assert isinstance(window.reference, float)  # riding windows never wait for their N
-                self._start_sync(window.payload(self._count_rank(), more), window.reference)
+                self._start_sync(window.payload(dist.get_rank(self._count_group()), more), window.reference)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
@@ -267,20 +270,21 @@ class TrainerAdapter(ParallelStrategy):
         """Reads the window's global count (one host read per optimizer step) and acts on it on every rank."""
         assert self.lightning_module is not None
         step = self.lightning_module.trainer.global_step
+        group = self._count_group()
         if self._ahead is not None and self.counts_ahead:
             window, summed = self._ahead.end_window(self._handed_over)
             self._window = self._ahead.window
             if summed[Slot.INVALID] > 0:  # which rank and which value: one more SUM, on every rank alike
-                payload = window.payload(self._count_rank(), False)
-                summed = sum_counts(payload, self.root_device, self._count_group()).wait().tolist()
+                payload = window.payload(dist.get_rank(group), False)
+                summed = sum_counts(payload, self.root_device, group).wait().tolist()
         else:
             window, self._window = self._window or Window(self._loss_scale()), None
             summed = self._summed_counts()
-        group = self._count_group()
         result = self.last_window = window.finish(summed, step, ranks=dist.get_world_size(group))
         self._participation.after_window(result.ranks_with_more, self.root_device, group)
         if result.items > 0:
-            self._normalize(result.items)
+            if not self.counts_ahead:  # counted ahead, the losses were scaled by N already
+                self._normalize(result.items)
             return
         # Without gradients no torch optimizer touches parameters or state (momentum, moments, steps).
         optimizer.zero_grad(set_to_none=True)
@@ -290,11 +294,6 @@ class TrainerAdapter(ParallelStrategy):
             f"The global item count of the window ending at step {step} is 0: the optimizer and step-interval LR"
             " schedulers were not stepped."
         )
-
-    def _count_rank(self) -> int:
-        """This rank's index in the group the counts are summed over."""
-        group = self._count_group()
-        return self.global_rank if group is None else dist.get_group_rank(group, self.global_rank)
 
     def _start_sum(self, values: list[float], fill: Callable[[Tensor], None] | None = None) -> tuple[Tensor, dist.Work]:
         """Starts the SUM of a float64 vector over the counting ranks (see :func:`~.reduce.counts.start_sum`)."""
