@@ -1,13 +1,16 @@
-"""A bare DDP loop with the weighted hook that exits right after its last window: one of two gloo processes.
+"""A bare training loop that exits right after its last collective: one of two gloo processes.
 
-Rank and world come from ``RANK`` and ``WORLD_SIZE``, the rendezvous from ``MASTER_ADDR`` and ``MASTER_PORT``;
-``--rides`` lets the counts ride in the gradient bucket (otherwise they take their own all-reduce).
+Rank and world come from ``RANK`` and ``WORLD_SIZE``, the rendezvous from ``MASTER_ADDR`` and ``MASTER_PORT``.
+``--path`` picks the loop: ``riding`` (DDP with the weighted hook, the counts in the gradient bucket), ``own`` (the
+counts in their own all-reduce), or ``backward`` (no DDP: one all-reduce inside each backward, the bare shape of
+DDP's own bucket all-reduces and FSDP's reduce-scatters).
 """
 
 from __future__ import annotations
 
 import argparse
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,19 +20,36 @@ from lightning_weighted import LossScale, WeightedReduceState, Window, weighted_
 from lightning_weighted._counts import count_of
 
 
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rides", action="store_true")
+    parser.add_argument("--path", choices=["riding", "own", "backward"], required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    if args.path == "backward":
+        x = torch.ones(4, requires_grad=True)
+        for _ in range(3):
+            _AllReduce.apply(x).sum().backward()
+        return  # the interpreter's exit follows the last all-reduce at once
     rank = dist.get_rank()
     torch.manual_seed(0)
     ddp = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)))
-    state = WeightedReduceState(rides=args.rides)
+    state = WeightedReduceState(rides=args.path == "riding")
     ddp.register_comm_hook(state, weighted_allreduce_hook)
     for _ in range(3):
         x = torch.randn(2 + 4 * rank, 8)
-        window = Window(LossScale.ITEM_SUM if args.rides else LossScale.MEAN_SIZED)
+        window = Window(LossScale.ITEM_SUM if args.path == "riding" else LossScale.MEAN_SIZED)
         loss = ddp(x).pow(2).mean()
         loss = loss * window.add(count_of({"count": len(x)}, x), loss)
         state.begin_window(window.payload(rank), window.reference, torch.device("cpu"))
