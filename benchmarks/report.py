@@ -30,6 +30,7 @@ TITLES = {
     "py_allreduce_hook": "torch's Python allreduce_hook",
     "scale_only": "losses scaled on the host",
     "carrier_fixed": "+ the carrier, a fixed handover",
+    "ddp_weighted_unpadded": "counts ahead, carrier not padded to 64 bytes",
     "ddp_weighted_separate": "counts ahead, handover in its own all-reduce",
 }
 
@@ -161,9 +162,9 @@ def collectives_table(points: list[dict[str, Any]], level: str) -> str:
         "Counted over the last warm-up step. Plain DDP, ddp_weighted with counts ahead, post-hoc and pre-count reduce "
         "their buckets in DDP's C++ reducer, which a Python wrapper of `torch.distributed` never sees: their bucket "
         "counts and bytes come from DDP's logging data (`rebuilt_bucket_sizes`); with counts ahead one bucket holds "
-        "the carrier's gradient too (7 values in fp32, 14 in bf16, on 2 ranks). ddp_weighted with riding counts "
-        "reduces its buckets through its Python comm hook, counted by the wrapper (the payload is the flat bucket "
-        "buffer). Bytes are the payload of each call, not the 2(P−1)/P traffic of a ring."
+        "the carrier's gradient too (7 values in fp32, 14 in bf16, on 2 ranks, padded to 64 bytes). ddp_weighted with "
+        "riding counts reduces its buckets through its Python comm hook, counted by the wrapper (the payload is the "
+        "flat bucket buffer). Bytes are the payload of each call, not the 2(P−1)/P traffic of a ring."
     )
     if level == "trainer":
         note += (
@@ -426,7 +427,9 @@ def write_report(data: dict[str, Any], out: Path) -> None:
         "every loss scaled by a number known on the host (the batches counted as they arrive, nothing else); plus "
         "the carrier (its parameter in a bucket, its term in the syncing forward, a fixed handover through its "
         "hook, one host read of its gradient); ddp_weighted with counts ahead as shipped (the window bookkeeping, "
-        "the lookahead, the handover decoded); the same with the handover in its own float64 all-reduce instead "
+        "the lookahead, the handover decoded); the same with the carrier's parameter left at the handover's width "
+        "(7 fp32 values: every gradient after it in DDP's bucket off a cache line, as before the padding); the same "
+        "with the handover in its own float64 all-reduce instead "
         "of the carrier (started before the syncing backward, waited after it: the price of one more collective on "
         "this machine); and, for reference, torch's own Python `allreduce_hook` (the price of any Python comm hook) "
         "and ddp_weighted with riding counts.",

@@ -41,6 +41,7 @@ ABLATION_VARIANTS = [
     "scale_only",
     "carrier_fixed",
     "ddp_weighted",
+    "ddp_weighted_unpadded",
     "ddp_weighted_separate",
     "py_allreduce_hook",
     "ddp_weighted_riding",

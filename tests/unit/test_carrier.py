@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from lightning_weighted.reduce.carrier import decode, digit_bits, encode, fits
+from lightning_weighted.reduce.carrier import Carrier, decode, digit_bits, encode, fits, width
 
 MAX_COUNT = 2.0**53 - 1  # a rank's window count stays below 2**53
 
@@ -62,3 +62,17 @@ def test_the_summed_count_decodes_exactly_from_ddps_average(dtype, ranks):
 @pytest.mark.parametrize(("dtype", "ranks"), [(torch.bfloat16, 257), (torch.float16, 4096), (torch.float32, 4095)])
 def test_beyond_its_limits_the_carrier_declines(dtype, ranks):
     assert digit_bits(dtype, ranks) == 0 and not fits(dtype, ranks)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_rider_fills_whole_cache_lines_and_its_padding_carries_nothing(dtype):
+    # DDP puts the rider first in its bucket: a size of whole 64-byte lines keeps the gradients after it aligned
+    for ranks in (2, 3, 96):
+        rider = Carrier(torch.nn.Linear(2, 1), dtype, torch.device("cpu"), ranks).rider
+        assert rider.numel() * dtype.itemsize % 64 == 0 and width(dtype, ranks) <= rider.numel()
+    carrier = Carrier(torch.nn.Linear(2, 1), dtype, torch.device("cpu"), ranks=1)  # no average: the SUM is ours
+    carrier.load([5.5, 0.0, 1.0, 0.0], fill=lambda slot: slot.add_(0.25))
+    carrier.term().backward()
+    assert carrier.rider.grad is not None and carrier.rider.grad[width(dtype, 1) :].eq(0).all()
+    assert carrier.read() == [5.5, 0, 1, 0.25]
+    assert carrier.read() is None  # read once: the next window's backward brings the next handover
