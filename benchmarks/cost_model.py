@@ -1,9 +1,9 @@
 """α-β cost model of what ddp_weighted adds to the gradient reduction, projected to NCCL at P = 8 … 4096 GPUs.
 
 Counts ahead (an ItemCounter): each window's handover rides in DDP's gradient all-reduce as the carrier's gradient
-(``reduce.carrier.width(dtype, P)`` more values, 7 to 80; no extra call) where ``reduce.carrier.fits(dtype, P)``;
-elsewhere (bf16 beyond 256 ranks, fp32 beyond 1024 unless P is a power of two) it is one separate all-reduce of 4
-float64.
+(``reduce.carrier.width(dtype, P)`` values, 7 to 80, padded to whole 64-byte lines; no extra call) where
+``reduce.carrier.fits(dtype, P)``; elsewhere (bf16 beyond 256 ranks, fp32 beyond 1024 unless P is a power of
+two) it is one separate all-reduce of 4 float64.
 Riding counts (returned by ``training_step``): 12 more fp32 values in the first bucket, or one all-reduce of 6
 float64 with fp16/bf16 gradients.
 
@@ -32,6 +32,7 @@ from lightning_weighted.reduce.riding import RIDE_WIDTH
 
 COUNT_BYTES = 8 * WIDTH  # the riding path's separate count vector (fp16/bf16 gradients)
 HANDOVER_BYTES = 8 * len(Handover)  # counts ahead, where the carrier does not fit
+LINE_BYTES = 64  # the carrier pads its parameter to whole 64-byte lines
 RIDE_BYTES = 4 * RIDE_WIDTH
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -88,7 +89,7 @@ def projection(gradient_bytes: dict[str, float], ranks: list[int], inputs: Input
             dtype = next(d for name, d in _DTYPES.items() if name in model)
             gradient, _ = allreduce_time(size, p, inputs)
             if fits(dtype, p):
-                carried = width(dtype, p) * dtype.itemsize
+                carried = -(-width(dtype, p) * dtype.itemsize // LINE_BYTES) * LINE_BYTES  # whole lines
                 count, how = allreduce_time(size + carried, p, inputs)[0] - gradient, f"carried (+{carried} B)"
             else:
                 count, how = separate, f"own all-reduce ({algorithm})"

@@ -428,7 +428,7 @@ def write_report(data: dict[str, Any], out: Path) -> None:
         "the carrier (its parameter in a bucket, its term in the syncing forward, a fixed handover through its "
         "hook, one host read of its gradient); ddp_weighted with counts ahead as shipped (the window bookkeeping, "
         "the lookahead, the handover decoded); the same with the carrier's parameter left at the handover's width "
-        "(7 fp32 values: every gradient after it in DDP's bucket off a cache line, as before the padding); the same "
+        "(7 fp32 values: every gradient after it in DDP's bucket off a cache line); the same "
         "with the handover in its own float64 all-reduce instead "
         "of the carrier (started before the syncing backward, waited after it: the price of one more collective on "
         "this machine); and, for reference, torch's own Python `allreduce_hook` (the price of any Python comm hook) "
@@ -455,7 +455,8 @@ def write_report(data: dict[str, Any], out: Path) -> None:
         "α = 2 µs per NVLink hop (P = 8), 5 µs per InfiniBand hop (P > 8); 1/β = 360 GB/s within a node, "
         "45 GB/s per GPU across nodes (400 Gb/s NDR); HBM 3.35 TB/s for post-hoc's pass over the gradients. "
         "With counts ahead each window's handover rides in the gradient all-reduce as the carrier's gradient (7 to "
-        "80 values, by dtype and P; no call) where it stays exact (`reduce.carrier.fits`: bf16 to 256 ranks, "
+        "80 values, by dtype and P, padded to whole 64-byte lines; no call) where it stays exact "
+        "(`reduce.carrier.fits`: bf16 to 256 ranks, "
         f"fp32 to 1024 or any power of two), else in its own all-reduce of {HANDOVER_BYTES} bytes; riding counts "
         f"add {RIDE_BYTES} bytes to the first fp32 bucket, or an all-reduce of {COUNT_BYTES} bytes with bf16.",
         "",

@@ -130,8 +130,8 @@ class Carrier(nn.Module):
         dtype: the gradients' dtype: the rider joins their bucket.
         device: where the gradients live.
         ranks: the number of ranks DDP averages over.
-        line_bytes: the rider's size in bytes is a multiple of it. DDP puts the rider first in its bucket, and the
-            gradients after it stay aligned to whole cache lines: gloo's fp32 SUM of a misaligned bucket is slower.
+        line_bytes: the rider's size in bytes is a multiple of it. DDP puts the rider first in its bucket, so the
+            gradients after it keep the alignment to whole cache lines they have without it.
     """
 
     def __init__(
