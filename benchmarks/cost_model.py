@@ -27,12 +27,11 @@ from dataclasses import dataclass, fields
 import torch
 
 from lightning_weighted._counts import WIDTH, Handover
-from lightning_weighted.reduce.carrier import fits, width
+from lightning_weighted.reduce.carrier import Carrier, fits
 from lightning_weighted.reduce.riding import RIDE_WIDTH
 
 COUNT_BYTES = 8 * WIDTH  # the riding path's separate count vector (fp16/bf16 gradients)
 HANDOVER_BYTES = 8 * len(Handover)  # counts ahead, where the carrier does not fit
-LINE_BYTES = 64  # the carrier pads its parameter to whole 64-byte lines
 RIDE_BYTES = 4 * RIDE_WIDTH
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -89,7 +88,8 @@ def projection(gradient_bytes: dict[str, float], ranks: list[int], inputs: Input
             dtype = next(d for name, d in _DTYPES.items() if name in model)
             gradient, _ = allreduce_time(size, p, inputs)
             if fits(dtype, p):
-                carried = -(-width(dtype, p) * dtype.itemsize // LINE_BYTES) * LINE_BYTES  # whole lines
+                rider = Carrier(torch.nn.Identity(), dtype, torch.device("cpu"), p).rider  # padded as shipped
+                carried = rider.numel() * dtype.itemsize
                 count, how = allreduce_time(size + carried, p, inputs)[0] - gradient, f"carried (+{carried} B)"
             else:
                 count, how = separate, f"own all-reduce ({algorithm})"
