@@ -6,7 +6,7 @@ hides differences below a few percent at 0.2M-2M parameters. Here one process ru
 shuffled per step, and prints the median of the paired per-step differences to plain DDP with their quartiles: the
 cost of what a variant does on the host, in microseconds.
 
-    python benchmarks/overhead.py                          # 0.2M and 2M, A = 1 and 4 (≈ 4 min)
+    python benchmarks/overhead.py                          # 0.2M and 2M, A = 1 and 4 (≈ 11 min)
     python benchmarks/overhead.py --sizes tiny --steps 40  # the smoke test
 """
 
@@ -24,7 +24,15 @@ import torch.distributed as dist
 from common import BatchStream, make_batch, make_model
 from raw_step import VARIANTS
 
-DEFAULT = ["ddp_control", "scale_only", "carrier_fixed", "ddp_weighted", "ddp_weighted_riding"]
+DEFAULT = [
+    "ddp_control",
+    "scale_only",
+    "carrier_wrapper",
+    "carrier_in_graph",
+    "carrier_fixed",
+    "ddp_weighted",
+    "ddp_weighted_riding",
+]
 
 
 def differences(size: str, accumulate: int, steps: int, variants: list[str]) -> dict[str, list[float]]:

@@ -234,9 +234,12 @@ class CarrierOnlyStep(ScaleOnlyStep):
     handover through its hook and one host read of it after the backward (no window bookkeeping)."""
 
     name = "carrier_fixed"
+    in_graph = True  # the carrier's parameter joins DDP's bucket and the syncing backward
+    hands_over = True  # a handover is written before the syncing backward and read after it
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         self.carrier = Carrier(_MeanLoss(model), next(model.parameters()).dtype, CPU, self.world_size)
+        self.carrier.rider.requires_grad_(self.in_graph)  # DDP leaves out a parameter that needs no gradient
         return self.carrier
 
     def step(self, window: Iterator[Batch]) -> None:
@@ -245,13 +248,32 @@ class CarrierOnlyStep(ScaleOnlyStep):
         total = self.world_size * sum(counts) or 1.0
         for micro, batch in enumerate(batches):
             sync = micro == self.accumulate - 1
-            self.carrier.arm(sync)
+            self.carrier.arm(sync and self.in_graph)
             with self.sync_context(micro):
-                if sync:
+                if sync and self.hands_over:
                     self.carrier.load([0.0, 0.0, 1.0, 0.0])
                 (self.ddp(batch) * (self.world_size * counts[micro] / total)).backward()
-        self.carrier.read()
+        if self.hands_over:
+            self.carrier.read()
+        else:
+            self.carrier.rider.grad = None  # what reached it passed through the hook unchanged
         self.finish()
+
+
+class CarrierInGraphStep(CarrierOnlyStep):
+    """The carrier's parameter in DDP's bucket and its term in the syncing forward, no handover: its gradient (zero)
+    passes through the hook."""
+
+    name = "carrier_in_graph"
+    hands_over = False
+
+
+class CarrierWrapperStep(CarrierOnlyStep):
+    """The carrier's module call around the model on every microbatch alone: its parameter needs no gradient, so DDP
+    leaves it out, and no term is added."""
+
+    name = "carrier_wrapper"
+    in_graph = hands_over = False
 
 
 VARIANTS: dict[str, type[RawStep]] = {
@@ -267,6 +289,8 @@ VARIANTS: dict[str, type[RawStep]] = {
         PreCountStep,
         PythonHookStep,
         ScaleOnlyStep,
+        CarrierWrapperStep,
+        CarrierInGraphStep,
         CarrierOnlyStep,
     )
 }

@@ -29,6 +29,8 @@ TITLES = {
     "pre_count": "pre-count",
     "py_allreduce_hook": "torch's Python allreduce_hook",
     "scale_only": "losses scaled on the host",
+    "carrier_wrapper": "+ the carrier's module call",
+    "carrier_in_graph": "+ its parameter in the backward and bucket",
     "carrier_fixed": "+ the carrier, a fixed handover",
     "ddp_weighted_unpadded": "counts ahead, carrier not padded to 64 bytes",
     "ddp_weighted_separate": "counts ahead, handover in its own all-reduce",

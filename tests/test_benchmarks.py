@@ -122,7 +122,7 @@ def test_the_one_rank_overhead_table_has_a_cell_per_variant_and_point() -> None:
     assert [row.split(" (")[0] for row in rows] == ["| tiny A=1", "| tiny A=4"], done.stdout
     for row in rows:
         cells = [cell.strip() for cell in row.strip("|").split("|")]
-        assert len(cells) == 2 + 5 and all(cell.replace(" ", "") for cell in cells), row  # plain, then 5 variants
+        assert len(cells) == 2 + 7 and all(cell.replace(" ", "") for cell in cells), row  # plain, then 7 variants
         assert float(cells[1]) > 0  # plain DDP's step, µs
 
 
