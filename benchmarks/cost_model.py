@@ -2,7 +2,7 @@
 
 Counts ahead (an ItemCounter): each window's handover rides in DDP's gradient all-reduce as the carrier's gradient
 (``reduce.carrier.width(dtype, P)`` values, 7 to 80, padded to whole 64-byte lines; no extra call) where
-``reduce.carrier.fits(dtype, P)``; elsewhere (bf16 beyond 256 ranks, fp32 beyond 1024 unless P is a power of
+``reduce.carrier.fits(dtype, P)``; elsewhere (bf16 beyond 256 ranks, fp32 beyond 2048 unless P is a power of
 two) it is one separate all-reduce of 4 float64.
 Riding counts (returned by ``training_step``): 12 more fp32 values in the first bucket, or one all-reduce of 6
 float64 with fp16/bf16 gradients.

@@ -459,7 +459,7 @@ def write_report(data: dict[str, Any], out: Path) -> None:
         "With counts ahead each window's handover rides in the gradient all-reduce as the carrier's gradient (7 to "
         "80 values, by dtype and P, padded to whole 64-byte lines; no call) where it stays exact "
         "(`reduce.carrier.fits`: bf16 to 256 ranks, "
-        f"fp32 to 1024 or any power of two), else in its own all-reduce of {HANDOVER_BYTES} bytes; riding counts "
+        f"fp32 to 2048 or any power of two), else in its own all-reduce of {HANDOVER_BYTES} bytes; riding counts "
         f"add {RIDE_BYTES} bytes to the first fp32 bucket, or an all-reduce of {COUNT_BYTES} bytes with bf16.",
         "",
         "The share column is an upper bound: it charges the counts in full against a step that holds nothing but "
