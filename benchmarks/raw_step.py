@@ -116,8 +116,7 @@ class AheadStep(RawStep):
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         # DDP's forward returns the loss, as Lightning's `training_step` through DDP does: the carrier adds to it
         dtype = next(model.parameters()).dtype
-        carrier = Carrier(_MeanLoss(model), dtype, CPU, self.world_size, self.line_bytes) if self.carry else None
-        self.carrier = carrier
+        self.carrier = Carrier(_MeanLoss(model), dtype, CPU, self.world_size, self.line_bytes) if self.carry else None
         return self.carrier or _MeanLoss(model)
 
     def feed(self, data: Sequence[Sequence[Batch]]) -> None:
