@@ -8,6 +8,8 @@ cost of what a variant does on the host, in microseconds.
 
     python benchmarks/overhead.py                          # 0.2M and 2M, A = 1 and 4 (≈ 11 min)
     python benchmarks/overhead.py --sizes tiny --steps 40  # the smoke test
+
+``instructions.py`` counts the instructions of the same variants, which no other load moves.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import BatchStream, make_batch, make_model
+from common import Batch, BatchStream, RawStep, make_batch, make_model
 from raw_step import VARIANTS
 
 DEFAULT = [
@@ -35,22 +38,30 @@ DEFAULT = [
 ]
 
 
-def differences(size: str, accumulate: int, steps: int, variants: list[str]) -> dict[str, list[float]]:
-    """Per-step time of each variant minus plain DDP's in the same step, and plain DDP's own (``"ddp"``), in
-    seconds, after a warm-up."""
+def build(
+    size: str, accumulate: int, steps: int, names: list[str]
+) -> tuple[dict[str, RawStep], Callable[[int], Iterator[Batch]]]:
+    """One 1-rank copy of each variant, fed ``steps`` windows of the same data, and the window of a given step."""
     distinct = 50  # distinct windows of data, cycled
     data = [[make_batch(size, 32, 0, 0, s, m) for m in range(accumulate)] for s in range(distinct)]
-    names = ["ddp", *variants]
     models = {name: VARIANTS[name](make_model(size, 0), 0, 1, accumulate) for name in names}
     for model in models.values():
         model.feed([data[s % distinct] for s in range(steps)])
+    return models, lambda step: iter(BatchStream(data[step % distinct]))
+
+
+def differences(size: str, accumulate: int, steps: int, variants: list[str]) -> dict[str, list[float]]:
+    """Per-step time of each variant minus plain DDP's in the same step, and plain DDP's own (``"ddp"``), in
+    seconds, after a warm-up."""
+    names = ["ddp", *variants]
+    models, windows = build(size, accumulate, steps, names)
     times: dict[str, list[float]] = {name: [] for name in names}
     for step in range(steps):
         order = list(names)
         random.Random(step).shuffle(order)
         for name in order:
             start = time.perf_counter()
-            models[name].step(iter(BatchStream(data[step % distinct])))
+            models[name].step(windows(step))
             times[name].append(time.perf_counter() - start)
     warm = steps // 10
     plain = times["ddp"][warm:]

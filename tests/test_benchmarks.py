@@ -7,6 +7,7 @@ timings: no variant may look fast because it is wrong.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from typing import Any
 
@@ -124,6 +125,21 @@ def test_the_one_rank_overhead_table_has_a_cell_per_variant_and_point() -> None:
         cells = [cell.strip() for cell in row.strip("|").split("|")]
         assert len(cells) == 2 + 7 and all(cell.replace(" ", "") for cell in cells), row  # plain, then 7 variants
         assert float(cells[1]) > 0  # plain DDP's step, µs
+
+
+@pytest.mark.skipif(not (shutil.which("valgrind") and shutil.which("cc")), reason="needs valgrind and cc")
+def test_callgrind_counts_what_the_weighting_executes_beyond_plain_ddp() -> None:
+    command = [sys.executable, str(ROOT / "benchmarks" / "instructions.py"), "--sizes", "tiny", "--accumulate", "1"]
+    command += ["--steps", "3", "--variants", "ddp_control,ddp_weighted"]
+    done = run(command, timeout=600, env={"PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 0, done.stdout[-3000:]
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| tiny A=1 |"))
+    plain, *cells = (cell.strip() for cell in row.strip("|").split("|")[1:])
+    control, weighted = (float(cell.split("(")[1].rstrip(")")) for cell in cells)  # beyond plain DDP
+    assert float(plain) > 0
+    # a second plain DDP executes what the first does, to within the allocator's state; the weighting far more
+    assert abs(control) < 0.02 * float(plain), row
+    assert weighted > 10 * abs(control), row
 
 
 def test_the_median_interval_covers_the_median_narrows_with_rounds_and_decides_the_verdict(
