@@ -3,16 +3,16 @@
 Step times on a shared machine move by more than the host work a variant adds (see ``overhead.py``); the
 instructions a step executes do not: callgrind counts them the same in every run, whatever else the machine does.
 This script runs itself under ``valgrind --tool=callgrind`` once per point, on a 1-rank gloo group, and counts the
-instructions of ``--steps`` optimizer steps of each variant of ``raw_step.py`` (after a warm-up, the counting
-switched on around each variant's steps alone). It prints them per step, and what each variant executes beyond
-plain DDP. An instruction is not a unit of time: the weighting's Python runs at a lower rate than the model's
-matrix products, and between passes over the gradients that leave the caches cold (``ANALYSIS.md``).
+instructions of ``--steps`` optimizer steps of each variant of ``raw_step.py``, every thread's (gloo's included),
+after a warm-up. It prints them per step, and what each variant executes beyond plain DDP. An instruction is not a
+unit of time: the weighting's Python runs at a lower rate than the model's matrix products, and between passes over
+the gradients that leave the caches cold (``ANALYSIS.md``).
 
-    python benchmarks/instructions.py                         # 0.2M, A = 1 and 4 (≈ 25 min)
-    python benchmarks/instructions.py --sizes tiny --accumulate 1 --steps 2 --variants ddp_weighted  # smoke test
+    python benchmarks/instructions.py                         # 0.2M, A = 1 and 4 (≈ 20 min)
+    python benchmarks/instructions.py --sizes tiny --accumulate 1 --steps 3 --variants ddp_control,ddp_weighted
 
-Needs valgrind and a C compiler (the counting is switched by callgrind's client requests, from a tiny library
-compiled on the fly).
+Needs valgrind and a C compiler: the counts are dumped by callgrind's client requests, from a tiny library
+compiled on the fly.
 """
 
 from __future__ import annotations
@@ -35,15 +35,14 @@ from overhead import DEFAULT, build
 # callgrind's client requests, callable from Python through ctypes
 _REQUESTS = b"""
 #include <valgrind/callgrind.h>
-void toggle(void) { CALLGRIND_TOGGLE_COLLECT; }
 void dump(const char *label) { CALLGRIND_DUMP_STATS_AT(label); }
 """
 
 
 def count(size: str, accumulate: int, steps: int, variants: list[str], library: Path) -> None:
-    """Under callgrind: the counting switched on around each variant's ``steps`` steps, dumped under its name."""
+    """Under callgrind: each variant's ``steps`` steps counted from zero and dumped under its name."""
     requests = ctypes.CDLL(str(library))
-    toggle, dump = requests.toggle, requests.dump  # looked up once, outside the counting
+    dump = requests.dump  # looked up once, outside the counting
     torch.set_num_threads(1)
     store = Path(tempfile.mkdtemp(prefix="instructions-")) / "store"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
@@ -56,11 +55,10 @@ def count(size: str, accumulate: int, steps: int, variants: list[str], library: 
     for name, model in models.items():
         label = name.encode()
         gc.collect()
-        toggle()
+        dump(b"before")  # a dump zeroes every thread's count: what ran before is left out
         for step in range(warm, warm + steps):
             model.step(windows(step))
         dump(label)
-        toggle()
     dist.destroy_process_group()
 
 
@@ -79,7 +77,7 @@ def per_step(outputs: list[Path], steps: int) -> dict[str, float]:
 def measure(size: str, accumulate: int, steps: int, variants: list[str], folder: Path) -> dict[str, float]:
     """Runs this script's counting under callgrind for one point; returns instructions per step by variant."""
     out = folder / f"{size}-{accumulate}.out"
-    command = ["valgrind", "--tool=callgrind", "--collect-atstart=no", f"--callgrind-out-file={out}"]
+    command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
     command += [sys.executable, __file__, "--count", size, str(accumulate), str(steps), ",".join(variants)]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "LW_CALLGRIND_REQUESTS": str(folder / "requests.so")}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
@@ -96,7 +94,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="0.2M")
     parser.add_argument("--accumulate", default="1,4")
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps counted per variant and point")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps counted per variant and point")
     parser.add_argument("--variants", default=",".join(DEFAULT), help="besides plain DDP (ddp)")
     parser.add_argument("--count", nargs=4, metavar=("SIZE", "A", "STEPS", "VARIANTS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
