@@ -63,7 +63,7 @@ def count(size: str, accumulate: int, steps: int, variants: list[str], library: 
 
 
 def per_step(outputs: list[Path], steps: int) -> dict[str, float]:
-    """Each variant's instructions per step, from callgrind's dumps (one per variant, named by its trigger)."""
+    """Instructions per step under each dump's label: a variant's name (``before`` marks where a count starts)."""
     found = {}
     for output in outputs:
         text = output.read_text()
