@@ -28,9 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from overhead import DEFAULT, build
+from overhead import DEFAULT, build, one_rank
 
 # callgrind's client requests, callable from Python through ctypes
 _REQUESTS = b"""
@@ -43,23 +41,20 @@ def count(size: str, accumulate: int, steps: int, variants: list[str], library: 
     """Under callgrind: each variant's ``steps`` steps counted from zero and dumped under its name."""
     requests = ctypes.CDLL(str(library))
     dump = requests.dump  # looked up once, outside the counting
-    torch.set_num_threads(1)
-    store = Path(tempfile.mkdtemp(prefix="instructions-")) / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     warm = 5
-    models, windows = build(size, accumulate, warm + steps, variants)
-    for step in range(warm):
-        for model in models.values():
-            model.step(windows(step))
-    gc.disable()  # a collection would land in whichever variant crosses its threshold
-    for name, model in models.items():
-        label = name.encode()
-        gc.collect()
-        dump(b"before")  # a dump zeroes every thread's count: what ran before is left out
-        for step in range(warm, warm + steps):
-            model.step(windows(step))
-        dump(label)
-    dist.destroy_process_group()
+    with one_rank():
+        models, windows = build(size, accumulate, warm + steps, variants)
+        for step in range(warm):
+            for model in models.values():
+                model.step(windows(step))
+        gc.disable()  # a collection would land in whichever variant crosses its threshold
+        for name, model in models.items():
+            label = name.encode()
+            gc.collect()
+            dump(b"before")  # a dump zeroes every thread's count: what ran before is left out
+            for step in range(warm, warm + steps):
+                model.step(windows(step))
+            dump(label)
 
 
 def per_step(outputs: list[Path], steps: int) -> dict[str, float]:

@@ -15,6 +15,7 @@ cost of what a variant does on the host, in microseconds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import tempfile
@@ -36,6 +37,18 @@ DEFAULT = [
     "ddp_weighted",
     "ddp_weighted_riding",
 ]
+
+
+@contextlib.contextmanager
+def one_rank() -> Iterator[None]:
+    """A 1-rank gloo group (DDP still buckets, copies and all-reduces) on one intra-op thread, for the block."""
+    torch.set_num_threads(1)
+    store = Path(tempfile.mkdtemp(prefix="one-rank-")) / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def build(
@@ -76,24 +89,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1500, help="optimizer steps per variant and point")
     parser.add_argument("--variants", default=",".join(DEFAULT))
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    store = Path(tempfile.mkdtemp(prefix="overhead-")) / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     variants = args.variants.split(",")
     print("Host time added per optimizer step: median of the paired differences to plain DDP [q25, q75], µs")
     print("| point | plain DDP step (µs) | " + " | ".join(variants) + " |")
     print("|---|---:|" + "---:|" * len(variants))
-    for size in args.sizes.split(","):
-        for accumulate in map(int, args.accumulate.split(",")):
-            found = differences(size, accumulate, args.steps, variants)
-            cells = []
-            for name in variants:
-                q1, median, q3 = statistics.quantiles([d * 1e6 for d in found[name]], n=4)
-                cells.append(f"{median:.0f} [{q1:.0f}, {q3:.0f}]")
-            plain = statistics.median(found["ddp"]) * 1e6
-            row = f"| {size} A={accumulate} ({args.steps} steps) | {plain:.0f} | " + " | ".join(cells) + " |"
-            print(row, flush=True)
-    dist.destroy_process_group()
+    with one_rank():
+        for size in args.sizes.split(","):
+            for accumulate in map(int, args.accumulate.split(",")):
+                found = differences(size, accumulate, args.steps, variants)
+                cells = []
+                for name in variants:
+                    q1, median, q3 = statistics.quantiles([d * 1e6 for d in found[name]], n=4)
+                    cells.append(f"{median:.0f} [{q1:.0f}, {q3:.0f}]")
+                plain = statistics.median(found["ddp"]) * 1e6
+                row = f"| {size} A={accumulate} ({args.steps} steps) | {plain:.0f} | " + " | ".join(cells) + " |"
+                print(row, flush=True)
 
 
 if __name__ == "__main__":
