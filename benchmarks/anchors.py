@@ -45,12 +45,13 @@ class PostHocStep(RawStep):
     """Post-hoc normalisation (fairseq / Megatron / torchtune) on a raw DDP module."""
 
     name = "post_hoc"
+    summed = True
 
     def step(self, window: Iterator[Batch]) -> None:
         items = torch.zeros((), dtype=torch.int64)
         for micro, batch in enumerate(window):
             with self.sync_context(micro):
-                loss = local_sum(self.ddp, batch)  # the SUM; DDP averages it over the P ranks
+                loss = self.ddp(batch)  # the SUM; DDP averages it over the P ranks
                 items += batch[2].sum()
                 loss.backward()
         # After the backward: one blocking count all-reduce, then one pass over every gradient.
@@ -63,6 +64,7 @@ class PreCountStep(RawStep):
     """Pre-count normalisation (HF Trainer / torchtitan / Composer) on a raw DDP module."""
 
     name = "pre_count"
+    summed = True
 
     def step(self, window: Iterator[Batch]) -> None:
         batches = list(itertools.islice(window, self.accumulate))  # load the whole window first
@@ -70,7 +72,7 @@ class PreCountStep(RawStep):
         scale = self.world_size / _count(sum((b[2].sum() for b in batches), torch.zeros((), dtype=torch.int64)))
         for micro, batch in enumerate(batches):
             with self.sync_context(micro):
-                (local_sum(self.ddp, batch) * scale).backward()
+                (self.ddp(batch) * scale).backward()
         del batches
         self.finish()
 

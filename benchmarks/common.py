@@ -349,6 +349,23 @@ def free_port() -> int:
 # Raw DDP training steps: one optimizer step over a window of `accumulate` microbatches.
 
 
+class Loss(nn.Module):
+    """The model's loss over a batch as a module's forward: DDP runs it inside its own forward, as Lightning runs
+    ``training_step`` (every variant then pays the same module call).
+
+    Args:
+        model: the model.
+        summed: return the sum over the batch's valid items (:func:`local_sum`) rather than their mean.
+    """
+
+    def __init__(self, model: nn.Module, summed: bool = False) -> None:
+        super().__init__()
+        self.model, self.summed = model, summed
+
+    def forward(self, batch: Batch) -> Tensor:
+        return local_sum(self.model, batch) if self.summed else local_mean(self.model, batch)
+
+
 class RawStep:
     """One variant's DDP model and optimizer; ``step`` runs one optimizer step over a window of microbatches.
 
@@ -357,6 +374,7 @@ class RawStep:
     """
 
     name = "?"
+    summed = False  # the loss DDP's forward returns: the sum over the valid items rather than their mean
 
     def __init__(self, model: nn.Module, rank: int, world_size: int, accumulate: int) -> None:
         self.rank, self.world_size, self.accumulate = rank, world_size, accumulate
@@ -367,8 +385,8 @@ class RawStep:
         self.captured: list[Tensor] | None = None
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        """The module DDP wraps (the model itself, unless a variant adds to it)."""
-        return model
+        """The module DDP wraps: the model's loss as its forward (:class:`Loss`), unless a variant adds to it."""
+        return Loss(model, self.summed)
 
     def feed(self, data: Sequence[Sequence[Batch]]) -> None:
         """Sees every step's window before the first (a variant that reads its loader ahead keeps an iterator)."""

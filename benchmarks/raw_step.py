@@ -32,7 +32,6 @@ from common import (
     bucket_counts,
     deviation,
     gradient_deviation,
-    local_mean,
     make_batch,
     make_model,
     per_step,
@@ -61,7 +60,7 @@ class PlainDDPStep(RawStep):
     def step(self, window: Iterator[Batch]) -> None:
         for micro, batch in enumerate(window):
             with self.sync_context(micro):
-                (local_mean(self.ddp, batch) / self.accumulate).backward()
+                (self.ddp(batch) / self.accumulate).backward()
         self.finish()
 
 
@@ -88,7 +87,7 @@ class RidingStep(RawStep):
         current = Window(LossScale.ITEM_SUM if self.state.rides else LossScale.MEAN_SIZED)
         for micro, batch in enumerate(window):
             with self.sync_context(micro):
-                loss = local_mean(self.ddp, batch)
+                loss = self.ddp(batch)
                 factor = current.add(count_of({"count": batch[2].sum()}, batch), loss)
                 loss = loss * factor if factor != 1 else loss
                 if micro == self.accumulate - 1:
@@ -115,9 +114,9 @@ class AheadStep(RawStep):
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         # DDP's forward returns the loss, as Lightning's `training_step` through DDP does: the carrier adds to it
-        dtype = next(model.parameters()).dtype
-        self.carrier = Carrier(_MeanLoss(model), dtype, CPU, self.world_size, self.line_bytes) if self.carry else None
-        return self.carrier or _MeanLoss(model)
+        loss, dtype = super().wrap(model), next(model.parameters()).dtype
+        self.carrier = Carrier(loss, dtype, CPU, self.world_size, self.line_bytes) if self.carry else None
+        return self.carrier or loss
 
     def feed(self, data: Sequence[Sequence[Batch]]) -> None:
         size = self.accumulate  # no epochs here: every window is A microbatches
@@ -159,17 +158,6 @@ class AheadStep(RawStep):
 
 
 _START = partial(start_sum, device=CPU)
-
-
-class _MeanLoss(torch.nn.Module):
-    """The model's mean loss over a batch's valid items as its forward (what ``training_step`` returns)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, batch: Batch) -> torch.Tensor:
-        return local_mean(self.model, batch)
 
 
 class AheadSeparateStep(AheadStep):
@@ -224,7 +212,7 @@ class ScaleOnlyStep(RawStep):
         total = self.world_size * sum(counts) or 1.0
         for micro, batch in enumerate(batches):
             with self.sync_context(micro):
-                (local_mean(self.ddp, batch) * (self.world_size * counts[micro] / total)).backward()
+                (self.ddp(batch) * (self.world_size * counts[micro] / total)).backward()
         self.finish()
 
 
@@ -237,7 +225,7 @@ class CarrierOnlyStep(ScaleOnlyStep):
     hands_over = True  # a handover is written before the syncing backward and read after it
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        self.carrier = Carrier(_MeanLoss(model), next(model.parameters()).dtype, CPU, self.world_size)
+        self.carrier = Carrier(super().wrap(model), next(model.parameters()).dtype, CPU, self.world_size)
         self.carrier.rider.requires_grad_(self.in_graph)  # DDP leaves out a parameter that needs no gradient
         return self.carrier
 

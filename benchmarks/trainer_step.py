@@ -194,42 +194,48 @@ def interleave(
 class Fit(BatonFit):
     def __init__(self, name: str, point: Point, rank: int, counter: CollectiveCounter) -> None:
         super().__init__(name=name, daemon=True)
-        module_cls, strategy, prefetch, counts = VARIANTS[name]
         self.baton = Baton(point.accumulate, counter)
-        callbacks: list[Callback] = [self.baton]
-        if counts:  # the mask's valid items, counted from each batch as the loader yields it; no logging
-            callbacks.append(lightning_weighted.ItemCounter("tokens", key=2, mask=True, log=False))
-        self.module = module_cls(make_model(point.size, point.seed))
         steps = point.steps + 1  # the last window runs untimed, while the fits finish one by one
-        batches = [
-            make_batch(point.size, point.rows, point.seed, rank, s, m)
-            for s in range(steps)
-            for m in range(point.accumulate)
-        ]
-        loader: Any = BatchStream(batches)
-        self.loader = _Sized(
-            WindowPrefetch(loader, point.accumulate, len(batches)) if prefetch else loader, len(batches)
-        )
-        self.trainer = Trainer(
-            strategy=strategy,
-            accelerator="cpu",
-            devices=dist.get_world_size(),
-            num_nodes=1,
-            max_steps=steps,
-            accumulate_grad_batches=point.accumulate,
-            precision=PRECISION[point.dtype],
-            callbacks=callbacks,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            use_distributed_sampler=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
-        )
+        self.trainer, self.module, self.loader = setup_fit(name, point, rank, steps, [self.baton])
 
     def parameters(self) -> list[Tensor]:
         return [p.detach().clone() for p in self.module.model.parameters()]
+
+
+def setup_fit(
+    name: str, point: Point, rank: int, steps: int, callbacks: list[Callback]
+) -> tuple[Trainer, LightningModule, Any]:
+    """One variant's ``Trainer`` (``callbacks`` first), module, and loader of ``steps`` windows of this rank's data."""
+    module_cls, strategy, prefetch, counts = VARIANTS[name]
+    if counts:  # the mask's valid items, counted from each batch as the loader yields it; no logging
+        callbacks = [*callbacks, lightning_weighted.ItemCounter("tokens", key=2, mask=True, log=False)]
+    module = module_cls(make_model(point.size, point.seed))
+    batches = [
+        make_batch(point.size, point.rows, point.seed, rank, s, m)
+        for s in range(steps)
+        for m in range(point.accumulate)
+    ]
+    loader: Any = BatchStream(batches)
+    if prefetch:
+        loader = WindowPrefetch(loader, point.accumulate, len(batches))
+    trainer = Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        num_nodes=1,
+        max_steps=steps,
+        accumulate_grad_batches=point.accumulate,
+        precision=PRECISION[point.dtype],
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    return trainer, module, _Sized(loader, len(batches))
 
 
 class _Sized:
