@@ -108,7 +108,7 @@ def run_levels(args: argparse.Namespace, grid: dict[str, Any]) -> dict[str, Any]
             data = timed("raw", "raw_step.py", spec, args.timeout)
             results["probe"] = results["probe"] or data["probe"]
             results["raw"].append({"points": data["points"], "sweep": data["sweep"], "ablation": data["ablation"]})
-            _progress(f"raw repeat {repeat}", results)
+            _progress(f"raw repeat {repeat}", results, args.out)
         if "trainer" in levels:
             spec = {
                 "points": [dataclasses.asdict(p) for p in grid["trainer"]],
@@ -116,11 +116,11 @@ def run_levels(args: argparse.Namespace, grid: dict[str, Any]) -> dict[str, Any]
                 "timeout": args.pg_timeout,
             }
             results["trainer"].append(timed("trainer", "trainer_step.py", spec, args.timeout)["points"])
-            _progress(f"trainer repeat {repeat}", results)
+            _progress(f"trainer repeat {repeat}", results, args.out)
         if "sharded" in levels:
             spec = sharded_step.spec(grid["sharded"], repeat, args)
             results["sharded"].append(timed("sharded", "sharded_step.py", spec, args.timeout)["points"])
-            _progress(f"sharded repeat {repeat}", results)
+            _progress(f"sharded repeat {repeat}", results, args.out)
     if {"sharded", "memory"} <= levels:
         results["sharded_memory"] = [
             timed("sharded", "sharded_step.py", spec, args.timeout)["memory"]
@@ -133,11 +133,13 @@ def run_levels(args: argparse.Namespace, grid: dict[str, Any]) -> dict[str, Any]
                 "timeout": args.pg_timeout,
             }
             results["memory"].append(timed("memory", "raw_step.py", spec, args.timeout)["memory"])
-        _progress("memory", results)
+        _progress("memory", results, args.out)
     return results
 
 
-def _progress(what: str, results: dict[str, Any]) -> None:
+def _progress(what: str, results: dict[str, Any], out: Path) -> None:
+    """Reports a finished part of the run, and keeps what has been measured so far where a later failure leaves it."""
+    (out / "partial.json").write_text(json.dumps(results))
     print(
         f"[run.py] {what} done; seconds so far: " + ", ".join(f"{k} {v:.0f}" for k, v in results["seconds"].items()),
         flush=True,
@@ -228,6 +230,7 @@ def main() -> None:
     summary_data = aggregate(results)
     summary_data["meta"] = meta(args, time.monotonic() - started)
     (args.out / "results.json").write_text(json.dumps(summary_data, indent=1))
+    (args.out / "partial.json").unlink(missing_ok=True)
     if not args.no_report:
         from report import write_report
 
