@@ -31,12 +31,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from common import (
-    BatchStream,
     CollectiveCounter,
     Point,
     deviation,
     gradient_deviation,
-    make_batch,
     make_model,
     reference_gradient,
     reference_params,
@@ -46,7 +44,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from report import ratio_cell
 from torch import Tensor, nn
-from trainer_step import WAIT_S, BatonFit, PlainModule, WeightedModule, _Sized, interleave
+from trainer_step import WAIT_S, BatonFit, PlainModule, WeightedModule, fit_loader, fit_trainer, interleave
 
 import lightning_weighted
 from lightning_weighted import AnyDeviceFSDPStrategy
@@ -172,30 +170,11 @@ class Fit(BatonFit):
         self.baton = Baton(point.accumulate)
         self.module = _module(name, point)
         steps = point.steps + 1  # the last window runs untimed, while the fits finish one by one
-        batches = [
-            make_batch(point.size, point.rows, point.seed, rank, s, m)
-            for s in range(steps)
-            for m in range(point.accumulate)
-        ]
-        self.loader = _Sized(BatchStream(batches), len(batches))
+        self.loader = fit_loader(point, rank, steps)
         callbacks: list[Callback] = [self.baton, _Final(self)]
         if name.endswith("_ahead"):
             callbacks.append(lightning_weighted.ItemCounter("tokens", key=2, mask=True, log=False))
-        self.trainer = Trainer(
-            strategy=_strategy(name, timeout),
-            accelerator="cpu",
-            devices=dist.get_world_size(),
-            max_steps=steps,
-            accumulate_grad_batches=point.accumulate,
-            callbacks=callbacks,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            use_distributed_sampler=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
-        )
+        self.trainer = fit_trainer(_strategy(name, timeout), point, steps, callbacks)
         self.final: list[Tensor] = []
 
 

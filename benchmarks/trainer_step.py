@@ -210,15 +210,12 @@ def setup_fit(
     if counts:  # the mask's valid items, counted from each batch as the loader yields it; no logging
         callbacks = [*callbacks, lightning_weighted.ItemCounter("tokens", key=2, mask=True, log=False)]
     module = module_cls(make_model(point.size, point.seed))
-    batches = [
-        make_batch(point.size, point.rows, point.seed, rank, s, m)
-        for s in range(steps)
-        for m in range(point.accumulate)
-    ]
-    loader: Any = BatchStream(batches)
-    if prefetch:
-        loader = WindowPrefetch(loader, point.accumulate, len(batches))
-    trainer = Trainer(
+    return fit_trainer(strategy, point, steps, callbacks), module, fit_loader(point, rank, steps, prefetch)
+
+
+def fit_trainer(strategy: Any, point: Point, steps: int, callbacks: list[Callback]) -> Trainer:
+    """A ``Trainer`` of ``steps`` optimizer steps at ``point`` on every rank of the group, nothing but training."""
+    return Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=dist.get_world_size(),
@@ -235,7 +232,19 @@ def setup_fit(
         num_sanity_val_steps=0,
         limit_val_batches=0,
     )
-    return trainer, module, _Sized(loader, len(batches))
+
+
+def fit_loader(point: Point, rank: int, steps: int, prefetch: bool = False) -> Any:
+    """This rank's ``steps`` windows of data as a sized loader; ``prefetch`` reads each window ahead (pre-count)."""
+    batches = [
+        make_batch(point.size, point.rows, point.seed, rank, s, m)
+        for s in range(steps)
+        for m in range(point.accumulate)
+    ]
+    loader: Any = BatchStream(batches)
+    if prefetch:
+        loader = WindowPrefetch(loader, point.accumulate, len(batches))
+    return _Sized(loader, len(batches))
 
 
 class _Sized:
