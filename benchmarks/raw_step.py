@@ -31,6 +31,7 @@ from common import (
     RawStep,
     bucket_counts,
     deviation,
+    finish,
     gradient_deviation,
     make_batch,
     make_model,
@@ -501,10 +502,7 @@ def main() -> None:
     counter.uninstall()
     if rank == 0:
         Path(args.out).write_text(json.dumps(results))
-    dist.barrier()
-    # No destroy_process_group(): at exit lightning_weighted hands the GIL to gloo's threads while a group exists,
-    # so they release the last collectives' tensors before the interpreter finalizes (after a destroy, about one
-    # launch in 80 aborted: "terminate called without an active exception").
+    finish()
 
 
 def _log(rank: int, result: dict[str, Any]) -> None:

@@ -35,6 +35,7 @@ from common import (
     Point,
     bucket_counts,
     deviation,
+    finish,
     gradient_deviation,
     local_mean,
     make_batch,
@@ -338,10 +339,7 @@ def main() -> None:
     counter.uninstall()
     if rank == 0:
         Path(args.out).write_text(json.dumps({"points": results}))
-    dist.barrier()
-    # No destroy_process_group(): at exit lightning_weighted hands the GIL to gloo's threads while a group exists,
-    # so they release the last collectives' tensors before the interpreter finalizes (after a destroy, about one
-    # launch in 80 aborted: "terminate called without an active exception").
+    finish()
 
 
 if __name__ == "__main__":
