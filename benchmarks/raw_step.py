@@ -46,6 +46,7 @@ from lightning_weighted.participation import Participation
 from lightning_weighted.reduce.carrier import Carrier
 from lightning_weighted.reduce.counts import start_sum
 from lightning_weighted.reduce.ddp_hook import WeightedReduceState, weighted_allreduce_hook
+from lightning_weighted.reduce.divisor import ReducerDivision
 from lightning_weighted.strategies._ahead import WindowsAhead
 from lightning_weighted.strategies._zero import zero_loss
 from lightning_weighted.window import LossScale, Window
@@ -80,6 +81,9 @@ class RidingStep(RawStep):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.register_hook()
+
+    def register_hook(self) -> None:
         dtypes = [p.dtype for p in self.ddp.parameters()]
         self.state = WeightedReduceState(rides=WeightedReduceState.can_ride(dtypes, self.world_size))
         self.ddp.register_comm_hook(self.state, weighted_allreduce_hook)
@@ -97,6 +101,39 @@ class RidingStep(RawStep):
         if current.finish(self.state.counts()).items == 0:
             self.optimizer.zero_grad(set_to_none=True)
             return
+        self.finish()
+
+
+class RidingReducerStep(RidingStep):
+    """The same with ``WeightedDDPStrategy(reducer_divides=True)``: with fp32/fp64 gradients, every loss scaled to
+    its item sum, the window's payload summed by one float64 all-reduce started before the syncing backward, and
+    DDP's own reducer dividing every bucket by its ``N`` as it copies it (the comm hook otherwise)."""
+
+    name = "ddp_weighted_riding_reducer"
+
+    def register_hook(self) -> None:
+        divides = {p.dtype for p in self.ddp.parameters()} <= {torch.float32, torch.float64}
+        self.division = ReducerDivision(self.ddp) if divides else None
+        if self.division is None:
+            super().register_hook()
+
+    def step(self, window: Iterator[Batch]) -> None:
+        if self.division is None:
+            return super().step(window)
+        current = Window(LossScale.ITEM_SUM)
+        for micro, batch in enumerate(window):
+            with self.sync_context(micro):
+                loss = self.ddp(batch)
+                factor = current.add(count_of({"count": batch[2].sum()}, batch), loss)
+                loss = loss * factor if factor != 1 else loss
+                if micro == self.accumulate - 1:
+                    self.division.begin_window(current.payload(self.rank), CPU)
+                loss.backward()
+        result = current.finish(self.division.counts())
+        if result.items == 0:
+            self.optimizer.zero_grad(set_to_none=True)
+            return
+        self.division.normalize(self.model.parameters(), result.items)
         self.finish()
 
 
@@ -273,6 +310,7 @@ VARIANTS: dict[str, type[RawStep]] = {
         AheadSeparateStep,
         AheadUnpaddedStep,
         RidingStep,
+        RidingReducerStep,
         PostHocStep,
         PreCountStep,
         PythonHookStep,
@@ -400,7 +438,15 @@ def _per_step(calls: list[tuple[str, str, int]], steps: int, dtype: torch.dtype)
     return per_step(calls, steps, dtype)
 
 
-CORE = ["ddp", "ddp_control", "ddp_weighted", "ddp_weighted_riding", "post_hoc", "pre_count"]
+CORE = [
+    "ddp",
+    "ddp_control",
+    "ddp_weighted",
+    "ddp_weighted_riding",
+    "ddp_weighted_riding_reducer",
+    "post_hoc",
+    "pre_count",
+]
 
 
 def gloo_probe(rank: int) -> dict[str, float]:

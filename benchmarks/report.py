@@ -352,7 +352,9 @@ def write_report(data: dict[str, Any], out: Path) -> None:
         "its backward, DDP's own C++ reducer with no comm hook, each window's handover — the next window's N — "
         "riding in the gradient all-reduce as one extra parameter's gradient); **ddp_weighted (riding counts)** "
         "(counts returned by `training_step`: the package's Python comm hook, the counts riding at the end of the "
-        "first fp32 bucket, a separate 48-byte all-reduce with bf16 gradients); **post-hoc** (fairseq / Megatron / "
+        "first fp32 bucket, a separate 48-byte all-reduce with bf16 gradients; `ddp_weighted_riding_reducer` in "
+        "`results.json`: `reducer_divides=True`, DDP's own reducer dividing by the N of a 48-byte all-reduce "
+        "before the syncing backward); **post-hoc** (fairseq / Megatron / "
         "torchtune: loss sums, DDP mean, then a blocking count all-reduce and ×P/N over every gradient); "
         "**pre-count** (HF Trainer / torchtitan: load the window, blocking count all-reduce before the first "
         "forward, each loss sum ×P/N).",

@@ -58,7 +58,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         memory = Point("tiny", 2, "fp32", 3, 0)
         ablation = [Point("tiny", 1, "fp32", args.rounds, args.warmup)]
     else:
-        sizes, accumulate, dtypes = ["0.2M", "2M", "20M"], [1, 4], ["fp32", "bf16"]
+        sizes, accumulate, dtypes = args.sizes.split(","), [1, 4], args.dtypes.split(",")
         rounds = {"0.2M": 2 * args.rounds, "2M": args.rounds, "20M": args.rounds_20m}
         trainer_sizes = sizes
         sweep = dict(size="2M", accumulate=4, dtype="fp32", epoch_steps=2, rounds=args.sweep_rounds, warmup=1)
@@ -215,6 +215,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="untimed rounds first (20M: half)")
     parser.add_argument("--ablation-rounds", type=int, default=150, help="timed rounds of the cost ablation")
     parser.add_argument("--levels", default="raw,sweep,ablation,trainer,memory,sharded")
+    parser.add_argument("--sizes", default="0.2M,2M,20M", help="the raw and Trainer grids' model sizes")
+    parser.add_argument("--dtypes", default="fp32,bf16", help="the raw and Trainer grids' gradient dtypes")
     parser.add_argument("--out", type=Path, default=HERE, help="where RESULTS.md, results.png, results.json go")
     parser.add_argument("--timeout", type=float, default=900, help="hard timeout of one launch (s)")
     parser.add_argument("--pg-timeout", type=float, default=180, help="gloo process-group timeout (s)")

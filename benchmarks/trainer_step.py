@@ -18,7 +18,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -45,9 +45,11 @@ from common import (
     reference_params,
 )
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import Strategy
 from torch import Tensor
 
 import lightning_weighted  # registers "ddp_weighted"
+from lightning_weighted import WeightedDDPStrategy
 
 PRECISION = {"fp32": "32-true", "bf16": "bf16-true"}
 WAIT_S = 300.0
@@ -74,13 +76,15 @@ class WeightedModule(PlainModule):
         return {"loss": local_mean(self.model, batch), "count": batch[2].sum()}
 
 
-# name -> (module class, strategy, window prefetch, ItemCounter)
-VARIANTS: dict[str, tuple[type[LightningModule], str, bool, bool]] = {
+# name -> (module class, strategy (a name, or a function that makes one), window prefetch, ItemCounter)
+VARIANTS: dict[str, tuple[type[LightningModule], str | Callable[[], Strategy], bool, bool]] = {
     "ddp": (PlainModule, "ddp", False, False),
     "ddp_control": (PlainModule, "ddp", False, False),
     # the module plain DDP users write, with an ItemCounter: counts taken ahead, DDP's own reducer
     "ddp_weighted": (PlainModule, "ddp_weighted", False, True),
     "ddp_weighted_riding": (WeightedModule, "ddp_weighted", False, False),
+    # the same with DDP's own reducer dividing by N instead of the comm hook
+    "ddp_weighted_riding_reducer": (WeightedModule, lambda: WeightedDDPStrategy(reducer_divides=True), False, False),
     "post_hoc": (PostHocModule, "ddp", False, False),
     "pre_count": (PreCountModule, "ddp", True, False),
 }
@@ -211,7 +215,8 @@ def setup_fit(
     if counts:  # the mask's valid items, counted from each batch as the loader yields it; no logging
         callbacks = [*callbacks, lightning_weighted.ItemCounter("tokens", key=2, mask=True, log=False)]
     module = module_cls(make_model(point.size, point.seed))
-    return fit_trainer(strategy, point, steps, callbacks), module, fit_loader(point, rank, steps, prefetch)
+    made = strategy() if callable(strategy) else strategy
+    return fit_trainer(made, point, steps, callbacks), module, fit_loader(point, rank, steps, prefetch)
 
 
 def fit_trainer(strategy: Any, point: Point, steps: int, callbacks: list[Callback]) -> Trainer:

@@ -45,6 +45,7 @@ class Config:
     uneven: bool = False  # seeding, combined: rank 1 holds more items than rank 0
     spawn_workers: bool = False  # seeding: workers started with spawn (Lightning's worker check warns then)
     counter: bool = False  # seeding, subclass, combined: an ItemCounter counts each batch's examples
+    reducer_divides: bool = False  # WeightedDDPStrategy(reducer_divides=...)
 
 
 def classification_data(seed: int, items: int = 64) -> TensorDataset:
@@ -198,16 +199,22 @@ class Record(Callback):
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "loader": type(trainer.train_dataloader).__name__,
             "counts_ahead": getattr(trainer.strategy, "counts_ahead", None),
+            "comm_hook": self.record.get("comm_hook"),
         }
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.record["comm_hook"] = trainer.strategy.model._get_ddp_logging_data().get("comm_hook")
 
 
 def main() -> None:
     args = rank_arguments()
     config = Config(**json.loads(args.config))
     seed_everything(42, workers=True, verbose=False)
-    cls = lightning_weighted.WeightedDDPStrategy if config.strategy == "ddp_weighted" else DDPStrategy
+    weighted = config.strategy == "ddp_weighted"
+    extra = {"reducer_divides": True} if weighted and config.reducer_divides else {}
+    cls = lightning_weighted.WeightedDDPStrategy if weighted else DDPStrategy
     common: dict[str, Any] = {
-        "strategy": cls(timeout=timedelta(seconds=30)),
+        "strategy": cls(timeout=timedelta(seconds=30), **extra),
         "accelerator": "cpu",
         "devices": config.world_size,
         "logger": False,

@@ -73,6 +73,7 @@ class Config:
     no_count: bool = False  # return {"loss": mean}
     host_reads: bool = False  # batches leave the loader as `reads.HostTensor`s, reach the device as `DeviceTensor`s
     carry_counts: bool = True  # WeightedDDPStrategy(carry_counts=...)
+    reducer_divides: bool | None = None  # WeightedDDPStrategy(reducer_divides=...): True lets DDP's reducer divide
     device: str = "cpu"  # "cuda": every rank on cuda:0 (NCCL alone, gloo on CUDA tensors for several)
     sync_debug: bool = False  # CUDA: torch.cuda.set_sync_debug_mode("error") around microbatches after step 2
 

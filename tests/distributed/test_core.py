@@ -41,25 +41,69 @@ def test_a_window_without_items_leaves_params_optimizer_and_scheduler_bit_identi
 
 
 @pytest.mark.parametrize(
-    ("precision", "ours"),
+    ("precision", "reducer_divides", "hook", "ours"),
     [
         # fp32 gradients: the counts ride at the end of the one bucket (21 gradients + 12 count values)
-        ("32-true", [("all_reduce", "torch.float32", 21 + 12)]),
-        # bf16 gradients: a 6 × 8-byte float64 count vector before the syncing backward, then the bucket
-        ("bf16-true", [("all_reduce", "torch.float64", 6), ("all_reduce", "torch.bfloat16", 21)]),
+        ("32-true", None, "weighted_allreduce_hook", [("all_reduce", "torch.float32", 21 + 12)]),
+        # reducer_divides: a 6 × 8-byte float64 count vector before the syncing backward, whose N DDP's own reducer
+        # divides the one bucket by (no communication hook; its bucket all-reduce runs in C++, unseen here)
+        ("32-true", True, None, [("all_reduce", "torch.float64", 6)]),
+        # bf16 gradients: the float64 count vector before the syncing backward, then the bucket (the hook regardless)
+        (
+            "bf16-true",
+            True,
+            "weighted_allreduce_hook",
+            [("all_reduce", "torch.float64", 6), ("all_reduce", "torch.bfloat16", 21)],
+        ),
     ],
 )
-def test_the_hook_is_registered_on_cpu_and_its_collectives_per_optimizer_step_are(tmp_path, precision, ours):
-    config = Config(strategy="ddp_weighted", accumulate=3, batches=7, count_collectives=True, precision=precision)
+def test_the_reduction_on_cpu_and_its_collectives_per_optimizer_step_are(
+    tmp_path, precision, reducer_divides, hook, ours
+):
+    config = Config(
+        strategy="ddp_weighted",
+        accumulate=3,
+        batches=7,
+        count_collectives=True,
+        precision=precision,
+        reducer_divides=reducer_divides,
+    )
     result = fit(config, tmp_path)
     for rank in result:
-        assert rank["comm_hook"] == "weighted_allreduce_hook"
+        assert rank["comm_hook"] == hook
         steps = len(rank["steps"])
         assert steps == 3  # windows of 3, 3 and 1 microbatches
         # Lightning itself broadcasts its SIGTERM flag once per batch, with any strategy
         lightning = [c for c in rank["collectives"] if c == ("broadcast", "torch.int64", 1)]
         assert len(lightning) == 7
         assert [c for c in rank["collectives"] if c not in lightning] == ours * steps
+    rtol = 5e-2 if precision == "bf16-true" else 1e-5
+    assert max_relative_error(result[0]["params"], reference(config)["params"]) < rtol
+
+
+@pytest.mark.parametrize(("precision", "rtol"), [("32-true", 1e-5), ("64-true", 1e-10)])
+@pytest.mark.parametrize("mode", ["tokens", "weights"])
+def test_ddps_reducer_divides_every_one_of_several_buckets_by_n(tmp_path, precision, rtol, mode):
+    # one bucket per parameter once DDP has rebuilt them, each divided as it is copied into its bucket; sample
+    # weights sum to an N that is not an integer, which the reducer cannot divide by: it divides by 1 and the
+    # strategy by N after the backward
+    config = Config(
+        strategy="ddp_weighted",
+        accumulate=2,
+        precision=precision,
+        mode=mode,
+        bucket_cap_mb=1e-6,
+        count_collectives=True,
+        reducer_divides=True,
+    )
+    result = fit(config, tmp_path)
+    expected = reference(config)
+    assert result[0]["comm_hook"] is None
+    assert max_relative_error(result[0]["params"], expected["params"]) < rtol
+    assert [s["norm"] for s in result[0]["steps"]] == pytest.approx(expected["norms"], rel=max(rtol, 1e-6))
+    # the buckets' all-reduces run in DDP's C++ reducer, unseen here: the count vector is the only collective
+    ours = [c for c in result[0]["collectives"] if c[0] == "all_reduce"]
+    assert ours == [("all_reduce", "torch.float64", 6)] * len(result[0]["steps"])
 
 
 @pytest.mark.parametrize(
@@ -165,6 +209,9 @@ def test_unsupported_combinations_are_refused_at_setup_on_every_rank(tmp_path, c
         (float("nan"), "ValueError", "on rank 1, a microbatch's count is not finite (nan)", "32-true"),
         ("many", "TypeError", "on rank 1, a microbatch's count is not a number", "32-true"),
         (1e20, "ValueError", "on rank 1, the window's count reaches 2**53 (1e+20)", "32-true"),
+        # DDP's reducer dividing: the details travel in the float64 count vector whose N is its divisor
+        (-3, "ValueError", "on rank 1, a microbatch's count is negative (-3.0)", "reducer"),
+        (1e20, "ValueError", "on rank 1, the window's count reaches 2**53 (1e+20)", "reducer"),
         # bf16 gradients, or a first bucket beyond the ride limit: the details travel in the float64 count vector
         (-3, "ValueError", "on rank 1, a microbatch's count is negative (-3.0)", "bf16-true"),
         (-3, "ValueError", "on rank 1, a microbatch's count is negative (-3.0)", "ride limit 0"),
@@ -174,9 +221,14 @@ def test_a_bad_count_on_one_rank_raises_the_same_error_on_every_rank_before_the_
     tmp_path, value, error, message, precision
 ):
     limit = 0 if precision == "ride limit 0" else None
-    precision = "32-true" if limit == 0 else precision
+    reducer = precision == "reducer"
     config = Config(
-        strategy="ddp_weighted", accumulate=2, bad_count=[1, 3, value], precision=precision, ride_limit_bytes=limit
+        strategy="ddp_weighted",
+        accumulate=2,
+        bad_count=[1, 3, value],
+        precision="32-true" if precision in ("ride limit 0", "reducer") else precision,
+        ride_limit_bytes=limit,
+        reducer_divides=True if reducer else None,
     )
     done = fit(config, tmp_path, timeout=90, expect_failure=True)
     assert done.stdout.count(f"{error}: {message}") == 2, done.stdout[-4000:]  # raised on both ranks

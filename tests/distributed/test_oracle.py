@@ -8,9 +8,17 @@ from harness import fit
 from scenario import Config, max_relative_error, reference
 
 
-@pytest.mark.parametrize("accumulate", [1, 3])
-def test_ddp_weighted_matches_the_float64_reference_and_ddp_does_not(tmp_path, accumulate):
-    config = Config(strategy="ddp_weighted", accumulate=accumulate, batches=7, epochs=2, mode="tokens")
+@pytest.mark.parametrize(("accumulate", "reducer_divides"), [(1, None), (3, None), (3, True)])
+def test_ddp_weighted_matches_the_float64_reference_and_ddp_does_not(tmp_path, accumulate, reducer_divides):
+    # riding counts through the comm hook, or DDP's own reducer dividing by N (`reducer_divides=True`)
+    config = Config(
+        strategy="ddp_weighted",
+        accumulate=accumulate,
+        batches=7,
+        epochs=2,
+        mode="tokens",
+        reducer_divides=reducer_divides,
+    )
     expected = reference(config)
     weighted = fit(config, tmp_path)
     plain = fit(Config(**{**vars(config), "strategy": "ddp"}), tmp_path)

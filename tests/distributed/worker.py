@@ -140,6 +140,8 @@ def make_strategy(config: Config) -> Any:
         kwargs["loss_scale"] = "mean_sized"
     if not config.carry_counts:
         kwargs["carry_counts"] = False
+    if weighted and config.reducer_divides is not None:
+        kwargs["reducer_divides"] = config.reducer_divides
     start_method = config.strategy.removeprefix("ddp_weighted" if weighted else "ddp").lstrip("_") or "popen"
     cls = lightning_weighted.WeightedDDPStrategy if weighted else DDPStrategy
     return cls(start_method=start_method, **device_kwargs(config.device, config.world_size), **kwargs)

@@ -28,6 +28,7 @@ from lightning_weighted.reduce.ddp_hook import (
     fp16_backward,
     python_reducer,
 )
+from lightning_weighted.reduce.divisor import ReducerDivision
 from lightning_weighted.strategies._trainer import TrainerAdapter
 from lightning_weighted.window import LossScale
 
@@ -54,7 +55,8 @@ class WeightedDDPStrategy(TrainerAdapter, DDPStrategy):
       in the gradient all-reduce, through one extra parameter, :class:`~lightning_weighted.reduce.carrier.Carrier`),
       no count read from the device, one host read per optimizer step.
     - **Riding counts** otherwise (counts known only once ``training_step`` has run): the strategy's
-      communication hook (:mod:`lightning_weighted.reduce.ddp_hook`) SUMs every bucket and divides it by ``N``.
+      communication hook (:mod:`lightning_weighted.reduce.ddp_hook`) SUMs every bucket and divides it by ``N``;
+      with ``reducer_divides=True`` and fp32/fp64 gradients on the CPU, DDP's own reducer divides by it instead.
 
     - A microbatch with ``n = 0`` contributes exactly zero, also when its mean is NaN (0/0).
     - A window whose global ``N`` is 0 changes nothing: the optimizer and step-interval LR schedulers are
@@ -72,6 +74,11 @@ class WeightedDDPStrategy(TrainerAdapter, DDPStrategy):
             computes the backward or bf16/fp16 gradients keep the counts from riding.
         ride_limit_bytes: the largest first gradient bucket the counts ride in (see
             :class:`~lightning_weighted.WeightedReduceState`).
+        reducer_divides: where counts ride and the gradients are fp32 or fp64 on the CPU (no fp16 backward, no
+            ``loss_scale="mean_sized"``), let DDP's own reducer divide them by ``N``
+            (:mod:`lightning_weighted.reduce.divisor`) instead of the strategy's communication hook: no Python per
+            bucket and no second pass over the gradients, for one 48-byte all-reduce that the reducer waits for at
+            the first gradient. Elsewhere the hook reduces regardless.
         carry_counts: with counts ahead, whether each window's handover rides in the gradient all-reduce (where
             :func:`~lightning_weighted.reduce.carrier.fits` says it stays exact) or takes its own 32-byte float64
             all-reduce, started before the syncing backward. ``False`` keeps ``trainer.model.module`` the
@@ -95,6 +102,7 @@ class WeightedDDPStrategy(TrainerAdapter, DDPStrategy):
         participation: Policy = "pad",
         loss_scale: Literal["item_sum", "mean_sized"] | None = None,
         ride_limit_bytes: int = RIDE_LIMIT_BYTES,
+        reducer_divides: bool = False,
         carry_counts: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -109,7 +117,9 @@ class WeightedDDPStrategy(TrainerAdapter, DDPStrategy):
         self._scale = None if loss_scale is None else LossScale(loss_scale)
         self._reduce_state = WeightedReduceState(ride_limit_bytes=ride_limit_bytes)
         self._carry = carry_counts
+        self._reducer_divides = reducer_divides
         self._carrier: Carrier | None = None
+        self._division: ReducerDivision | None = None  # riding counts that DDP's reducer divides by
 
     @classmethod
     @override
@@ -151,9 +161,16 @@ class WeightedDDPStrategy(TrainerAdapter, DDPStrategy):
             self._register_riding_hook()
 
     def _register_riding_hook(self) -> None:
-        # `DDPStrategy` registers comm hooks on CUDA only; ours is needed wherever DDP reduces.
+        # `DDPStrategy` registers comm hooks on CUDA only; ours is needed wherever DDP reduces, unless DDP's own
+        # reducer is asked to divide by N: item sums (no fp16 backward) in fp32/fp64 gradients on the CPU.
         assert isinstance(self.model, DistributedDataParallel)
-        self._scale = self._reduce_state.register(self.model, self._scale, fp16_backward(self.precision_plugin))
+        fp16 = fp16_backward(self.precision_plugin)
+        dtypes = {param.dtype for param in self.model.parameters() if param.requires_grad}
+        item_sums = self._scale in (None, LossScale.ITEM_SUM) and not fp16
+        if self._reducer_divides and item_sums and self.root_device.type == "cpu" and dtypes <= _DIVIDED_DTYPES:
+            self._division, self._scale = ReducerDivision(self.model), LossScale.ITEM_SUM
+        else:
+            self._scale = self._reduce_state.register(self.model, self._scale, fp16)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -193,13 +210,28 @@ class WeightedDDPStrategy(TrainerAdapter, DDPStrategy):
 
     @override
     def _start_sync(self, payload: CountPayload, reference: float) -> None:
-        self._reduce_state.begin_window(payload, reference, self.root_device)
+        if self._division is not None:
+            self._division.begin_window(payload, self.root_device)
+        else:
+            self._reduce_state.begin_window(payload, reference, self.root_device)
 
     @override
     def _summed_counts(self) -> list[float]:
         if self._carrier is not None:
-            self._carrier.rider.grad = None  # it carried nothing: the counts ride in the hook
-        return self._reduce_state.counts()
+            self._carrier.rider.grad = None  # it carried nothing: the counts ride in the hook or the divisor
+        return self._reduce_state.counts() if self._division is None else self._division.counts()
+
+    @override
+    def _normalize(self, items: float) -> None:
+        if self._division is not None:
+            self._division.normalize(self.model.parameters(), items)  # type: ignore[union-attr]
+
+    @override
+    def teardown(self) -> None:
+        if self._division is not None:
+            self._division.close()
+            self._division = None
+        super().teardown()
 
     @override
     def _hand_over(self, handover: list[float], fill: Callable[[Tensor], None]) -> None:
@@ -217,6 +249,8 @@ class WeightedDDPStrategy(TrainerAdapter, DDPStrategy):
             raise RuntimeError(_NO_RIDER)
         return summed
 
+
+_DIVIDED_DTYPES = {torch.float32, torch.float64}  # gradients whose item sums DDP's reducer divides by N (CPU)
 
 _UNUSED_PARAMETERS = (
     "It looks like your LightningModule has parameters that were not used in producing the loss returned by"
