@@ -81,26 +81,36 @@ class RidingStep(RawStep):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.register_hook()
+        self.division = self.divides()
+        if self.division is None:
+            dtypes = [p.dtype for p in self.ddp.parameters()]
+            self.state = WeightedReduceState(rides=WeightedReduceState.can_ride(dtypes, self.world_size))
+            self.ddp.register_comm_hook(self.state, weighted_allreduce_hook)
 
-    def register_hook(self) -> None:
-        dtypes = [p.dtype for p in self.ddp.parameters()]
-        self.state = WeightedReduceState(rides=WeightedReduceState.can_ride(dtypes, self.world_size))
-        self.ddp.register_comm_hook(self.state, weighted_allreduce_hook)
+    def divides(self) -> ReducerDivision | None:
+        """DDP's own reducer dividing by ``N`` instead of the hook (``reducer_divides=True``), or ``None``."""
+        return None
 
     def step(self, window: Iterator[Batch]) -> None:
-        current = Window(LossScale.ITEM_SUM if self.state.rides else LossScale.MEAN_SIZED)
+        division = self.division
+        current = Window(LossScale.ITEM_SUM if division is not None or self.state.rides else LossScale.MEAN_SIZED)
         for micro, batch in enumerate(window):
             with self.sync_context(micro):
                 loss = self.ddp(batch)
                 factor = current.add(count_of({"count": batch[2].sum()}, batch), loss)
                 loss = loss * factor if factor != 1 else loss
                 if micro == self.accumulate - 1:
-                    self.state.begin_window(current.payload(self.rank), current.reference, CPU)
+                    if division is not None:
+                        division.begin_window(current.payload(self.rank), CPU)
+                    else:
+                        self.state.begin_window(current.payload(self.rank), current.reference, CPU)
                 loss.backward()
-        if current.finish(self.state.counts()).items == 0:
+        result = current.finish(self.state.counts() if division is None else division.counts())
+        if result.items == 0:
             self.optimizer.zero_grad(set_to_none=True)
             return
+        if division is not None:
+            division.normalize(self.model.parameters(), result.items)
         self.finish()
 
 
@@ -111,30 +121,9 @@ class RidingReducerStep(RidingStep):
 
     name = "ddp_weighted_riding_reducer"
 
-    def register_hook(self) -> None:
-        divides = {p.dtype for p in self.ddp.parameters()} <= {torch.float32, torch.float64}
-        self.division = ReducerDivision(self.ddp) if divides else None
-        if self.division is None:
-            super().register_hook()
-
-    def step(self, window: Iterator[Batch]) -> None:
-        if self.division is None:
-            return super().step(window)
-        current = Window(LossScale.ITEM_SUM)
-        for micro, batch in enumerate(window):
-            with self.sync_context(micro):
-                loss = self.ddp(batch)
-                factor = current.add(count_of({"count": batch[2].sum()}, batch), loss)
-                loss = loss * factor if factor != 1 else loss
-                if micro == self.accumulate - 1:
-                    self.division.begin_window(current.payload(self.rank), CPU)
-                loss.backward()
-        result = current.finish(self.division.counts())
-        if result.items == 0:
-            self.optimizer.zero_grad(set_to_none=True)
-            return
-        self.division.normalize(self.model.parameters(), result.items)
-        self.finish()
+    def divides(self) -> ReducerDivision | None:
+        fits = {p.dtype for p in self.ddp.parameters()} <= {torch.float32, torch.float64}
+        return ReducerDivision(self.ddp) if fits else None
 
 
 class AheadStep(RawStep):
