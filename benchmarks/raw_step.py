@@ -46,7 +46,7 @@ from lightning_weighted.participation import Participation
 from lightning_weighted.reduce.carrier import Carrier
 from lightning_weighted.reduce.counts import start_sum
 from lightning_weighted.reduce.ddp_hook import WeightedReduceState, weighted_allreduce_hook
-from lightning_weighted.reduce.divisor import ReducerDivision
+from lightning_weighted.reduce.divisor import DIVIDED_DTYPES, ReducerDivision
 from lightning_weighted.strategies._ahead import WindowsAhead
 from lightning_weighted.strategies._zero import zero_loss
 from lightning_weighted.window import LossScale, Window
@@ -122,7 +122,7 @@ class RidingReducerStep(RidingStep):
     name = "ddp_weighted_riding_reducer"
 
     def divides(self) -> ReducerDivision | None:
-        fits = {p.dtype for p in self.ddp.parameters()} <= {torch.float32, torch.float64}
+        fits = {p.dtype for p in self.ddp.parameters()} <= DIVIDED_DTYPES
         return ReducerDivision(self.ddp) if fits else None
 
 

@@ -33,8 +33,9 @@ from lightning_weighted._counts import CountPayload, Slot
 from lightning_weighted.reduce.callbacks import then
 from lightning_weighted.reduce.counts import sum_counts
 
-__all__ = ["ReducerDivision", "divides"]
+__all__ = ["DIVIDED_DTYPES", "ReducerDivision", "divides"]
 
+DIVIDED_DTYPES = frozenset({torch.float32, torch.float64})  # gradients whose item sums the reducer divides by N
 _LARGEST = 2**31 - 1  # the reducer keeps its divisor in a C++ int
 
 

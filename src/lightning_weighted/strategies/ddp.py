@@ -28,7 +28,7 @@ from lightning_weighted.reduce.ddp_hook import (
     fp16_backward,
     python_reducer,
 )
-from lightning_weighted.reduce.divisor import ReducerDivision
+from lightning_weighted.reduce.divisor import DIVIDED_DTYPES, ReducerDivision
 from lightning_weighted.strategies._trainer import TrainerAdapter
 from lightning_weighted.window import LossScale
 
@@ -167,7 +167,7 @@ class WeightedDDPStrategy(TrainerAdapter, DDPStrategy):
         fp16 = fp16_backward(self.precision_plugin)
         dtypes = {param.dtype for param in self.model.parameters() if param.requires_grad}
         item_sums = self._scale in (None, LossScale.ITEM_SUM) and not fp16
-        if self._reducer_divides and item_sums and self.root_device.type == "cpu" and dtypes <= _DIVIDED_DTYPES:
+        if self._reducer_divides and item_sums and self.root_device.type == "cpu" and dtypes <= DIVIDED_DTYPES:
             self._division, self._scale = ReducerDivision(self.model), LossScale.ITEM_SUM
         else:
             self._scale = self._reduce_state.register(self.model, self._scale, fp16)
@@ -249,8 +249,6 @@ class WeightedDDPStrategy(TrainerAdapter, DDPStrategy):
             raise RuntimeError(_NO_RIDER)
         return summed
 
-
-_DIVIDED_DTYPES = {torch.float32, torch.float64}  # gradients whose item sums DDP's reducer divides by N (CPU)
 
 _UNUSED_PARAMETERS = (
     "It looks like your LightningModule has parameters that were not used in producing the loss returned by"
