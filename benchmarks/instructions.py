@@ -91,10 +91,8 @@ def count_fit(size: str, accumulate: int, steps: int, name: str, library: Path) 
                 gc.enable()
 
     point = Point(size, accumulate, "fp32", rounds=steps, warmup=warm)
-    plain = name in ("ddp_callback", "ddp_control")
-    callbacks = [Counting(), *([Callback()] if name == "ddp_callback" else [])]
     with one_rank():
-        trainer, module, loader = setup_fit("ddp" if plain else name, point, 0, warm + steps + 1, callbacks)
+        trainer, module, loader = setup_fit(name, point, 0, warm + steps + 1, [Counting()])
         trainer.fit(module, train_dataloaders=loader)
 
 

@@ -80,6 +80,8 @@ class WeightedModule(PlainModule):
 VARIANTS: dict[str, tuple[type[LightningModule], str | Callable[[], Strategy], bool, bool]] = {
     "ddp": (PlainModule, "ddp", False, False),
     "ddp_control": (PlainModule, "ddp", False, False),
+    # plain DDP with one more callback that overrides nothing: Lightning calls every callback's batch hooks
+    "ddp_callback": (PlainModule, "ddp", False, False),
     # the module plain DDP users write, with an ItemCounter: counts taken ahead, DDP's own reducer
     "ddp_weighted": (PlainModule, "ddp_weighted", False, True),
     "ddp_weighted_riding": (WeightedModule, "ddp_weighted", False, False),
@@ -212,6 +214,8 @@ def setup_fit(
 ) -> tuple[Trainer, LightningModule, Any]:
     """One variant's ``Trainer`` (``callbacks`` first), module, and loader of ``steps`` windows of this rank's data."""
     module_cls, strategy, prefetch, counts = VARIANTS[name]
+    if name == "ddp_callback":
+        callbacks = [*callbacks, Callback()]
     if counts:  # the mask's valid items, counted from each batch as the loader yields it; no logging
         callbacks = [*callbacks, lightning_weighted.ItemCounter("tokens", key=2, mask=True, log=False)]
     module = module_cls(make_model(point.size, point.seed))
