@@ -46,7 +46,7 @@ from lightning_weighted.participation import Participation
 from lightning_weighted.reduce.carrier import Carrier
 from lightning_weighted.reduce.counts import start_sum
 from lightning_weighted.reduce.ddp_hook import WeightedReduceState, weighted_allreduce_hook
-from lightning_weighted.reduce.divisor import DIVIDED_DTYPES, ReducerDivision
+from lightning_weighted.reduce.divisor import ReducerDivision, can_divide
 from lightning_weighted.strategies._ahead import WindowsAhead
 from lightning_weighted.strategies._zero import zero_loss
 from lightning_weighted.window import LossScale, Window
@@ -122,8 +122,7 @@ class RidingReducerStep(RidingStep):
     name = "ddp_weighted_riding_reducer"
 
     def divides(self) -> ReducerDivision | None:
-        fits = {p.dtype for p in self.ddp.parameters()} <= DIVIDED_DTYPES
-        return ReducerDivision(self.ddp) if fits else None
+        return ReducerDivision(self.ddp) if can_divide(self.ddp.parameters()) else None
 
 
 class AheadStep(RawStep):

@@ -76,19 +76,24 @@ class WeightedModule(PlainModule):
         return {"loss": local_mean(self.model, batch), "count": batch[2].sum()}
 
 
-# name -> (module class, strategy (a name, or a function that makes one), window prefetch, ItemCounter)
-VARIANTS: dict[str, tuple[type[LightningModule], str | Callable[[], Strategy], bool, bool]] = {
-    "ddp": (PlainModule, "ddp", False, False),
-    "ddp_control": (PlainModule, "ddp", False, False),
+def _item_counter() -> list[Callback]:
+    """The mask's valid items, counted from each batch as the loader yields it; no logging."""
+    return [lightning_weighted.ItemCounter("tokens", key=2, mask=True, log=False)]
+
+
+# name -> (module class, strategy (a name, or a function that makes one), window prefetch, the callbacks it adds)
+VARIANTS: dict[str, tuple[type[LightningModule], str | Callable[[], Strategy], bool, Callable[[], list[Callback]]]] = {
+    "ddp": (PlainModule, "ddp", False, list),
+    "ddp_control": (PlainModule, "ddp", False, list),
     # plain DDP with one more callback that overrides nothing: Lightning calls every callback's batch hooks
-    "ddp_callback": (PlainModule, "ddp", False, False),
+    "ddp_callback": (PlainModule, "ddp", False, lambda: [Callback()]),
     # the module plain DDP users write, with an ItemCounter: counts taken ahead, DDP's own reducer
-    "ddp_weighted": (PlainModule, "ddp_weighted", False, True),
-    "ddp_weighted_riding": (WeightedModule, "ddp_weighted", False, False),
+    "ddp_weighted": (PlainModule, "ddp_weighted", False, _item_counter),
+    "ddp_weighted_riding": (WeightedModule, "ddp_weighted", False, list),
     # the same with DDP's own reducer dividing by N instead of the comm hook
-    "ddp_weighted_riding_reducer": (WeightedModule, lambda: WeightedDDPStrategy(reducer_divides=True), False, False),
-    "post_hoc": (PostHocModule, "ddp", False, False),
-    "pre_count": (PreCountModule, "ddp", True, False),
+    "ddp_weighted_riding_reducer": (WeightedModule, lambda: WeightedDDPStrategy(reducer_divides=True), False, list),
+    "post_hoc": (PostHocModule, "ddp", False, list),
+    "pre_count": (PreCountModule, "ddp", True, list),
 }
 
 
@@ -213,11 +218,8 @@ def setup_fit(
     name: str, point: Point, rank: int, steps: int, callbacks: list[Callback]
 ) -> tuple[Trainer, LightningModule, Any]:
     """One variant's ``Trainer`` (``callbacks`` first), module, and loader of ``steps`` windows of this rank's data."""
-    module_cls, strategy, prefetch, counts = VARIANTS[name]
-    if name == "ddp_callback":
-        callbacks = [*callbacks, Callback()]
-    if counts:  # the mask's valid items, counted from each batch as the loader yields it; no logging
-        callbacks = [*callbacks, lightning_weighted.ItemCounter("tokens", key=2, mask=True, log=False)]
+    module_cls, strategy, prefetch, added = VARIANTS[name]
+    callbacks = [*callbacks, *added()]
     module = module_cls(make_model(point.size, point.seed))
     made = strategy() if callable(strategy) else strategy
     return fit_trainer(made, point, steps, callbacks), module, fit_loader(point, rank, steps, prefetch)

@@ -33,10 +33,22 @@ from lightning_weighted._counts import CountPayload, Slot
 from lightning_weighted.reduce.callbacks import then
 from lightning_weighted.reduce.counts import sum_counts
 
-__all__ = ["DIVIDED_DTYPES", "ReducerDivision", "divides"]
+__all__ = ["ReducerDivision", "can_divide", "divides"]
 
-DIVIDED_DTYPES = frozenset({torch.float32, torch.float64})  # gradients whose item sums the reducer divides by N
+_DIVIDED = frozenset({torch.float32, torch.float64})  # gradients whose item sums the reducer divides by N
 _LARGEST = 2**31 - 1  # the reducer keeps its divisor in a C++ int
+
+
+def can_divide(parameters: Iterable[Tensor]) -> bool:
+    """Whether DDP's reducer can divide the gradients of these parameters by ``N``: fp32 or fp64, on the CPU.
+
+    Example::
+
+        >>> from torch.nn import Parameter
+        >>> can_divide([Parameter(torch.zeros(2))]), can_divide([Parameter(torch.zeros(2, dtype=torch.bfloat16))])
+        (True, False)
+    """
+    return all(p.dtype in _DIVIDED and p.device.type == "cpu" for p in parameters if p.requires_grad)
 
 
 def divides(items: float) -> bool:

@@ -28,7 +28,7 @@ from lightning_weighted.reduce.ddp_hook import (
     fp16_backward,
     python_reducer,
 )
-from lightning_weighted.reduce.divisor import DIVIDED_DTYPES, ReducerDivision
+from lightning_weighted.reduce.divisor import ReducerDivision, can_divide
 from lightning_weighted.strategies._trainer import TrainerAdapter
 from lightning_weighted.window import LossScale
 
@@ -165,9 +165,8 @@ class WeightedDDPStrategy(TrainerAdapter, DDPStrategy):
         # reducer is asked to divide by N: item sums (no fp16 backward) in fp32/fp64 gradients on the CPU.
         assert isinstance(self.model, DistributedDataParallel)
         fp16 = fp16_backward(self.precision_plugin)
-        dtypes = {param.dtype for param in self.model.parameters() if param.requires_grad}
         item_sums = self._scale in (None, LossScale.ITEM_SUM) and not fp16
-        if self._reducer_divides and item_sums and self.root_device.type == "cpu" and dtypes <= DIVIDED_DTYPES:
+        if self._reducer_divides and item_sums and can_divide(self.model.parameters()):
             self._division, self._scale = ReducerDivision(self.model), LossScale.ITEM_SUM
         else:
             self._scale = self._reduce_state.register(self.model, self._scale, fp16)
