@@ -42,12 +42,12 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch import Tensor, nn
 
 import lightning_weighted
-from lightning_weighted import AnyDeviceFSDPStrategy
-from lightning_weighted.audit import ObjectiveAudit, is_replaying
+from lightning_weighted.audit import ObjectiveAudit, is_audit_rerun
+from lightning_weighted.trainer.fsdp1 import CPUFSDPStrategy
 
 IGNORE = -100
 LAUNCHER = "fork" if "fork" in torch.multiprocessing.get_all_start_methods() else "spawn"  # of the DDP runs
-PLAIN = {"ddp": DDPStrategy, "fsdp2": ModelParallelStrategy, "fsdp": AnyDeviceFSDPStrategy}
+PLAIN = {"ddp": DDPStrategy, "fsdp2": ModelParallelStrategy, "fsdp": CPUFSDPStrategy}
 WEIGHTED = {
     "ddp": lightning_weighted.WeightedDDPStrategy,
     "fsdp2": lightning_weighted.WeightedModelParallelStrategy,
@@ -131,7 +131,7 @@ class TinyLM(LightningModule):
             inputs, targets = batch
             loss = self.token_losses(inputs, targets, "mean")  # the mean over valid target tokens
             count = (targets != IGNORE).sum()
-        if not is_replaying():  # ObjectiveAudit re-runs training_step on audited microbatches
+        if not is_audit_rerun():  # ObjectiveAudit re-runs training_step on audited microbatches
             self._window[0] += float(loss.detach()) * int(count)
             self._window[1] += int(count)
         return {"loss": loss, "count": count}

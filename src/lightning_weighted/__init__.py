@@ -3,50 +3,39 @@
 Importing this package registers ``"ddp_weighted"``, ``"ddp_weighted_spawn"``, ``"ddp_weighted_fork"``,
 ``"ddp_weighted_find_unused_parameters_true"``, ``"fsdp2_weighted"`` (FSDP2) and ``"fsdp_weighted"`` (FSDP1) in
 Lightning's ``StrategyRegistry``, and the DDP names (with ``"ddp_weighted_notebook"``) and ``"fsdp2_weighted"`` in
-Fabric's ``STRATEGY_REGISTRY``. The objective is stated in :mod:`lightning_weighted.window`.
+Fabric's ``STRATEGY_REGISTRY``. The objective is stated in :mod:`lightning_weighted.window`; how one window flows
+from the batch to the gradients, in ``docs/architecture.md``.
 """
+
+import warnings
+from typing import Any
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_STRATEGIES
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_weighted.audit import AuditReport, ObjectiveAudit, ObjectiveMismatchError, is_replaying
+from lightning_weighted.audit import AuditReport, ObjectiveAudit, ObjectiveMismatchError, is_audit_rerun
 from lightning_weighted.counting import ItemCounter, count_examples, count_tokens, count_weights
+from lightning_weighted.data import UnpaddedDistributedSampler
 from lightning_weighted.fabric import WeightedFabricDDPStrategy, WeightedFabricModelParallelStrategy
-from lightning_weighted.lookahead import BatchCounter
-from lightning_weighted.participation import UnpaddedDistributedSampler
-from lightning_weighted.reduce.ddp_hook import WeightedReduceState, weighted_allreduce_hook
-from lightning_weighted.reduce.sharded import ShardedReduceState
-from lightning_weighted.strategies import (
-    AnyDeviceFSDPStrategy,
-    WeightedDDPStrategy,
-    WeightedFSDPStrategy,
-    WeightedModelParallelStrategy,
-)
-from lightning_weighted.window import LossScale, Window, WindowResult
+from lightning_weighted.trainer import WeightedDDPStrategy, WeightedFSDPStrategy, WeightedModelParallelStrategy
+from lightning_weighted.window import WindowResult
 
 __all__ = [
-    "AnyDeviceFSDPStrategy",
     "AuditReport",
-    "BatchCounter",
     "ItemCounter",
-    "LossScale",
     "ObjectiveAudit",
     "ObjectiveMismatchError",
-    "ShardedReduceState",
     "UnpaddedDistributedSampler",
     "WeightedDDPStrategy",
     "WeightedFSDPStrategy",
     "WeightedFabricDDPStrategy",
     "WeightedFabricModelParallelStrategy",
     "WeightedModelParallelStrategy",
-    "WeightedReduceState",
-    "Window",
     "WindowResult",
     "count_examples",
     "count_tokens",
     "count_weights",
-    "is_replaying",
-    "weighted_allreduce_hook",
+    "is_audit_rerun",
 ]
 
 __version__ = "0.1.0"
@@ -56,3 +45,30 @@ WeightedModelParallelStrategy.register_strategies(StrategyRegistry)
 WeightedFSDPStrategy.register_strategies(StrategyRegistry)
 WeightedFabricDDPStrategy.register_strategies(_FABRIC_STRATEGIES)
 WeightedFabricModelParallelStrategy.register_strategies(_FABRIC_STRATEGIES)
+
+# Names that left the public surface: still importable, with a warning naming where they went.
+_MOVED = {
+    "AnyDeviceFSDPStrategy": ("lightning_weighted.trainer.fsdp1", "CPUFSDPStrategy"),
+    "Window": ("lightning_weighted.window", "Window"),
+    "is_replaying": ("lightning_weighted.audit", "is_audit_rerun"),
+}
+# Names whose mechanism is gone: the counts no longer travel in a communication hook or a carrier parameter.
+_GONE = {
+    "BatchCounter": "ItemCounter is the one counter the strategies look for",
+    "LossScale": "a window counted ahead scales by D·n/N, one counted after by n/c (lightning_weighted.window)",
+    "ShardedReduceState": "the FSDP engines hold their reduction state (lightning_weighted.engines)",
+    "WeightedReduceState": "ddp_weighted registers no communication hook: DDP's own reducer averages",
+    "weighted_allreduce_hook": "ddp_weighted registers no communication hook: DDP's own reducer averages",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        module, attribute = _MOVED[name]
+        warnings.warn(
+            f"lightning_weighted.{name} is deprecated: use {module}.{attribute}", DeprecationWarning, stacklevel=2
+        )
+        return getattr(__import__(module, fromlist=[attribute]), attribute)
+    if name in _GONE:
+        raise AttributeError(f"lightning_weighted.{name} was removed in 0.2: {_GONE[name]}.")
+    raise AttributeError(f"module 'lightning_weighted' has no attribute {name!r}")

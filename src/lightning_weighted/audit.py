@@ -15,7 +15,7 @@ On an audited step, once every rank's gradient is synchronized and before the op
 Nothing depends on the strategy that produced ``.grad``, so the audit measures plain ``"ddp"`` as well as
 ``"ddp_weighted"``, and plain FSDP2 (``ModelParallelStrategy``) and FSDP1 as well as ``"fsdp2_weighted"`` and
 ``"fsdp_weighted"``: there it differentiates the whole parameters each forward computes with and compares whole
-gradients (see :mod:`lightning_weighted._whole`). On the worked trace of :mod:`lightning_weighted.window` plain
+gradients (see :mod:`lightning_weighted._audit_rerun`). On the worked trace of :mod:`lightning_weighted.window` plain
 DDP's gradient is 2.0 where ``g* = 2.5``: an objective error of 0.2.
 """
 
@@ -34,22 +34,21 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_weighted._counts import FIX, imbalance
-from lightning_weighted._replay import Microbatch, flat, is_replaying, local_sum
-from lightning_weighted._whole import Targets
+from lightning_weighted._audit_rerun import Microbatch, Targets, flat, is_audit_rerun, local_sum
+from lightning_weighted.counts import TRAINER, imbalance
 
 __all__ = [
     "AuditReport",
     "ObjectiveAudit",
     "ObjectiveMismatchError",
-    "is_replaying",
+    "is_audit_rerun",
     "relative_error",
     "spread",
 ]
 
 _FIX = (
     "Train with a weighted strategy (`strategy='ddp_weighted'`, 'fsdp2_weighted' or 'fsdp_weighted' under FSDP,"
-    f" after `import lightning_weighted`). {FIX}"
+    f" after `import lightning_weighted`). {TRAINER.fix}"
 )
 
 
@@ -120,10 +119,10 @@ class ObjectiveAudit(Callback):
     ``ddp_weighted`` replays on a rank out of data (``padding_step``) counts 0, as in training. The
     audit caches the batches of audited windows only and costs one extra forward and backward per cached
     microbatch, a float64 copy of the gradients and two collectives, one of gradient size; under FSDP each rank
-    also holds the whole parameters and gradients while it audits (one all-gather of each). The replay runs
+    also holds the whole parameters and gradients while it audits (one all-gather of each). The re-run runs
     with the RNG state of the original microbatch (CPU and the CUDA device), so dropout draws the same masks;
     buffers it changes (BatchNorm statistics) are restored and its ``self.log`` calls are ignored. Other side
-    effects of ``training_step`` happen twice on audited microbatches unless guarded by :func:`is_replaying`.
+    effects of ``training_step`` happen twice on audited microbatches unless guarded by :func:`is_audit_rerun`.
 
     Args:
         every_n_steps: audit the optimizer steps whose ``global_step`` is a multiple of it; ``None`` (the

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -15,10 +15,10 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
-from lightning_weighted._counts import imbalance
+from lightning_weighted.counts import imbalance
 from lightning_weighted.window import WindowResult
 
-__all__ = ["CountReceiver", "ItemCounter", "count_examples", "count_tokens", "count_weights"]
+__all__ = ["ItemCounter", "count_examples", "count_tokens", "count_weights"]
 
 CountFn = Callable[[Any], "int | float | Tensor"]
 Preset = Literal["examples", "tokens", "weights"]
@@ -72,33 +72,15 @@ def count_weights(batch: Any, key: str | int) -> Tensor:
     return _select(batch, key).sum()
 
 
-@runtime_checkable
-class CountReceiver(Protocol):
-    """A strategy that takes counts from :class:`ItemCounter` and reports each window's result.
-
-    Attributes:
-        last_window: the result of the last optimizer step's window.
-        counts_ahead: whether the strategy counts each batch itself, on the host, with :meth:`ItemCounter.count_of`
-            (then :meth:`supply_count` is not called).
-    """
-
-    last_window: WindowResult | None
-    counts_ahead: bool
-
-    def supply_count(self, count: object, integer: bool = False) -> None:
-        """Gives the count of the next microbatch."""
-
-
 class ItemCounter(Callback):
     """Supplies each microbatch's item count from the batch, and logs the weighted objective of every step.
 
     With this callback ``training_step`` may return a bare loss (the mean over the microbatch's valid items).
     The strategy then counts every batch on the host, as the loader yields it, before it reaches the device, and
-    sums each window's counts before the window's first forward (see :mod:`lightning_weighted.lookahead`); a
+    sums each window's counts before the window's first forward (see :mod:`lightning_weighted.loop`); a
     ``"count"`` that ``training_step`` still returns must agree with it. Where the batches cannot be counted ahead
-    (several train dataloaders, a ``training_step`` taking ``dataloader_iter``), each microbatch is counted on the
-    device batch before its training step, a returned ``"count"`` takes precedence and a disagreement is reported
-    once.
+    (several train dataloaders, a ``training_step`` taking ``dataloader_iter``), the strategy counts each
+    microbatch on its device batch, and a ``"count"`` that ``training_step`` returns takes precedence.
 
     Args:
         count: what to count: ``"examples"`` (:func:`count_examples`), ``"tokens"`` (:func:`count_tokens`),
@@ -148,7 +130,6 @@ class ItemCounter(Callback):
         self._loss_epoch = MeanMetric(sync_on_compute=False)  # its inputs are already global
         self._last_step: int | None = None
         self._started: float | None = None  # when the window in progress began
-        self._receiver: CountReceiver | None = None  # the strategy, from `setup`
 
     def count_of(self, batch: Any) -> int | float | Tensor:
         """The count of one microbatch, as the chosen preset or function defines it."""
@@ -163,27 +144,23 @@ class ItemCounter(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if not isinstance(trainer.strategy, CountReceiver):  # checked once: a Protocol check is slow per batch
+        if not hasattr(trainer.strategy, "last_window"):
             raise ValueError(
                 f"ItemCounter supplies counts to a weighted strategy (`strategy='ddp_weighted'`), but the Trainer"
                 f" uses {type(trainer.strategy).__name__}. Pass `strategy='ddp_weighted'` or drop the callback."
             )
         self._loss_epoch = self._loss_epoch.to(pl_module.device)
-        self._receiver = trainer.strategy
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        receiver = self._strategy(trainer)
         if self._started is None:
             self._started = time.perf_counter()
-        if not receiver.counts_ahead:  # otherwise counted on the host as the loader yielded it
-            receiver.supply_count(self.count_of(batch), integer=self.integer)
 
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        window = self._strategy(trainer).last_window
+        window: WindowResult | None = trainer.strategy.last_window  # type: ignore[attr-defined]
         if window is None or window.step == self._last_step:
             return  # no optimizer step ended with this batch
         self._last_step = window.step
@@ -202,11 +179,6 @@ class ItemCounter(Callback):
             logged["train/imbalance"] = _imbalance(window, pl_module.device)
         pl_module.log_dict(shown, prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
         pl_module.log_dict(logged, on_step=True, on_epoch=False, batch_size=1)
-
-    def _strategy(self, trainer: Trainer) -> CountReceiver:
-        """The strategy, as `setup` found it (checking the Protocol again on every batch would be slow)."""
-        receiver = self._receiver if self._receiver is not None else trainer.strategy
-        return receiver  # type: ignore[return-value]
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -241,7 +213,7 @@ def _logs_now(trainer: Trainer) -> bool:
 
 
 def _imbalance(window: WindowResult, device: torch.device) -> float:
-    """:func:`~lightning_weighted._counts.imbalance` over the window's ranks, from one MAX all-reduce of their counts.
+    """:func:`~lightning_weighted.counts.imbalance` over the window's ranks, from one MAX all-reduce of their counts.
 
     The MAX runs over every process: tensor-parallel peers hold the same count as their data-parallel rank.
     """

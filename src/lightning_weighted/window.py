@@ -1,4 +1,4 @@
-r"""One rank's accumulation window, whatever the engine: counts in, loss scales out, one result on every rank.
+r"""One rank's accumulation window, whatever the engine: counts in, loss factors out, one payload, one result.
 
 The objective of one optimizer step, over ranks :math:`r` and the microbatches :math:`m` of its accumulation
 window, each holding :math:`n_{rm}` valid items whose mean gradient is :math:`\bar g_{rm}`:
@@ -7,55 +7,38 @@ window, each holding :math:`n_{rm}` valid items whose mean gradient is :math:`\b
 
     N = \sum_r \sum_m n_{rm}, \qquad g = \frac{1}{N} \sum_r \sum_m n_{rm}\, \bar g_{rm}.
 
-Each rank multiplies microbatch :math:`m`'s loss by :meth:`Window.add`'s scale, so that its accumulated gradient
-is :math:`\sum_m n_{rm} \bar g_{rm} / c_r` (:class:`LossScale` names :math:`c_r`), and sends
-:meth:`Window.payload` to a SUM over ranks. The engine's adapter brings :math:`N` to the gradients (inside DDP's
-communication hook, as one division of FSDP's gradient shards, or, where the counts are known before the window's
-first forward, in the loss scales themselves) and hands the summed payload to :meth:`Window.finish`, which gives
-every rank the same result, or the same error.
+The engine's reduction divides the SUM of the ranks' gradients by :math:`D` (:math:`P`, the number of ranks, for
+an average such as DDP's; 1 for a SUM). Each microbatch's loss is multiplied by the factor :meth:`Window.add`
+returns, in one of two ways:
+
+- **counts ahead** (the window's :math:`N` is known before its first forward): the factor is :math:`D\,n/N`, and
+  the reduction's result is :math:`g` itself;
+- **counts after** (known only once each forward has run): the factor is :math:`n/c`, for a constant :math:`c` the
+  same on every rank, and the engine multiplies the reduced gradients by :math:`D\,c/N` once the window's counts
+  are summed (:attr:`WindowResult.scale`).
 
 Worked trace: ``w = 10``, per-item loss :math:`\tfrac12 (w - y)^2`; rank 0 holds targets ``[9, 9]``
 (``n = 2``, mean gradient 1), rank 1 holds ``[7] * 6`` (``n = 6``, mean gradient 3).
 :math:`g = (2 \cdot 1 + 6 \cdot 3) / 8 = 2.5`, where plain DDP averages means: :math:`(1 + 3) / 2 = 2`, and one
-SGD step with lr 0.1 lands on ``9.75`` instead of ``9.8``. Against a mean-across-:math:`P`-ranks reducer the
-weights are the scales :math:`P n_r / N = 0.5` and :math:`1.5`; with equal counts everywhere and one
-microbatch per window, dividing by :math:`N / c_r` is dividing by :math:`P`, plain DDP's average.
+SGD step with lr 0.1 lands on ``9.75`` instead of ``9.8``. Counted ahead, DDP's average (:math:`D = 2`) of the
+losses scaled by :math:`2 n_r / 8 = 0.5` and :math:`1.5` gives :math:`(0.5 + 4.5) / 2 = 2.5`; counted after
+(:math:`c = 1`), the average :math:`(2 + 18) / 2 = 10` times :math:`D c / N = 1/4` gives the same. With equal
+counts and one microbatch per window, either is plain DDP's average.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 from torch import Tensor
 
-from lightning_weighted._counts import MAX_ITEMS, TRAINER, Count, CountPayload, CountProblem, Wording, decode
+from lightning_weighted.counts import MAX_ITEMS, TRAINER, WIDTH, Count, Problem, Slot, Wording, code, decode
+from lightning_weighted.counts import reported_value as _reported
 
-__all__ = ["LossScale", "Window", "WindowResult"]
-
-
-class LossScale(Enum):
-    r"""What a rank's microbatch losses are scaled to, :math:`c_r` in the objective's terms.
-
-    - ``ITEM_SUM``: :math:`c_r = 1`; losses are sums over items, the gradients are divided by :math:`N` once
-      (after their SUM or before it).
-    - ``MEAN_SIZED``: :math:`c_r = n^{\mathrm{ref}}_r`, the rank's first positive count of the window: losses stay
-      of the size of a mean, for reductions that would overflow with item sums (fp16), and are untouched with
-      one microbatch per window.
-    - ``GLOBAL_MEAN``: :math:`c_r = N / D`, the same on every rank: each loss enters its backward weighted as in
-      :math:`g`, times :math:`D`, what the reduction divides the SUM of the gradients by, so that it gives
-      :math:`g` with nothing left to divide, at any precision: :math:`D = P` for a reduction that averages over the
-      :math:`P` ranks (DDP's own), 1 for one that SUMs (FSDP's, as the sharded strategies configure it). The
-      window's counts must be summed before its first backward: :meth:`Window.plan` them from the batches ahead,
-      :meth:`Window.receive` their SUM.
-    """
-
-    ITEM_SUM = "item_sum"
-    MEAN_SIZED = "mean_sized"
-    GLOBAL_MEAN = "global_mean"
+__all__ = ["Window", "WindowResult"]
 
 
 @dataclass(frozen=True)
@@ -68,8 +51,9 @@ class WindowResult:
         local_items: this rank's items in the window.
         loss: the global item mean of the loss, ``Σ_r Σ_m n_rm · loss_rm / N`` (NaN when ``N = 0``).
         ranks_with_more: how many ranks hold real batches after this window.
-        ranks: :math:`P`, the ranks whose counts were summed (the data-parallel ones; tensor-parallel peers share
-            their counts).
+        ranks: :math:`P`, the ranks whose counts were summed (the data-parallel ones).
+        following: counted ahead: the next window's ``N`` (0 where there is none).
+        uncut: how many ranks backpropagated a non-finite loss whose count on the device was 0.
     """
 
     step: int
@@ -78,144 +62,150 @@ class WindowResult:
     loss: float
     ranks_with_more: int = 0
     ranks: int = 1
+    following: float = 0.0
+    uncut: int = 0
 
 
 class Window:
     """One rank's account of one accumulation window.
 
     Args:
-        scale: what the losses are scaled to (see :class:`LossScale`).
+        reference: counts after: :math:`c`, what each loss is divided by beside being multiplied by its count.
+        total: counts ahead: the window's :math:`N` (a number, or still on the device), summed before it started.
+        divisor: counts ahead: :math:`D`, what the engine's reduction divides the SUM of the gradients by.
 
-    Example (rank 1 of the worked trace, whose one microbatch holds 6 items)::
+    Example (rank 1 of the worked trace, counted after)::
 
-        >>> import torch
-        >>> window = Window(LossScale.ITEM_SUM)
+        >>> window = Window()
         >>> window.add(Count(6.0), loss=torch.tensor(4.0))  # its mean loss, times 6: an item sum
         6.0
-        >>> payload = window.payload(rank=1, more=False)
-        >>> (payload.items, float(payload.loss_sum))
-        (6.0, 24.0)
+        >>> window.payload(rank=1, more=False, device=torch.device("cpu")).tolist()
+        [6.0, 0.0, 0.0, 0.0, 0.0, 0.0, 24.0, 0.0]
     """
 
-    __slots__ = ("_losses", "items", "problem", "reference", "scale", "total")
+    __slots__ = ("_device", "divisor", "items", "problem", "reference", "total")
 
-    def __init__(self, scale: LossScale = LossScale.ITEM_SUM) -> None:
-        self.scale = scale
-        self.items = 0.0
-        self.reference: float | Tensor = 1.0 if scale is LossScale.ITEM_SUM else 0.0  # c_r; 0 until known
-        self.total: float | Tensor | None = None  # N, once received (GLOBAL_MEAN)
-        self.problem: tuple[CountProblem, float] | None = None
-        self._losses: list[tuple[Tensor, float]] = []  # (loss, n or 1) per weighted microbatch, kept on the device
-
-    def plan(self, counts: Iterable[Count]) -> None:
-        """Records the counts of the window's microbatches before its first forward (``GLOBAL_MEAN``)."""
-        for count in counts:
-            self._record(count)
-
-    def receive(self, items: float | Tensor, divisor: int) -> None:
-        """Takes ``N``, the SUM of the planned counts over the ranks, and :math:`D` (see ``GLOBAL_MEAN``).
-
-        ``N`` may still be on the device (a 0-dim tensor): the factors are then tensors too, and nothing is read.
-        """
-        self.total = items
-        if isinstance(items, Tensor):
-            self.reference = torch.where(items > 0, items, torch.ones_like(items)) / divisor
-        else:
-            self.reference = (items if items > 0 else 1.0) / divisor  # N = 0: every factor is 0 anyway
-
-    def add(self, count: Count, loss: Tensor | None = None, item_sum: bool = False) -> float | Tensor:
-        """Records one microbatch; returns the factor its loss is multiplied by (0.0: it contributes nothing).
-
-        Args:
-            count: the microbatch's count (under ``GLOBAL_MEAN`` the planned one, or its problem); an invalid one is
-                recorded as the window's problem.
-            loss: the microbatch's loss (kept detached for the window's loss, never read on the host).
-            item_sum: whether ``loss`` is a sum over the items rather than their mean.
-        """
-        if self.scale is not LossScale.GLOBAL_MEAN:
-            weighted = self._record(count)
-        elif self.total is None:
-            raise RuntimeError("the window's planned counts were not summed: call `Window.receive` before `add`")
-        else:
-            weighted = count.problem is None and count.value > 0
-            if count.problem is not None:
-                self.reject(count.problem, count.value)
-        if not weighted:
-            return 0.0  # exactly nothing, also from the NaN mean of a fully masked microbatch
-        as_sum = 1.0 if item_sum else count.value
-        if loss is not None:
-            self._losses.append((loss.detach(), as_sum))
-        return as_sum / self.reference
+    def __init__(self, reference: float | Tensor = 1.0, total: float | Tensor | None = None, divisor: int = 1) -> None:
+        self.reference, self.total, self.divisor = reference, total, divisor
+        self.items = 0.0  # Σ n of host counts
+        self.problem: tuple[Problem, float] | None = None  # the first problem known on the host
+        # what lives on a device: Σ n of tensor counts, the first problem found there and its value, Σ n · loss
+        self._device: dict[Slot, Tensor] = {}
 
     @property
-    def loss_sum(self) -> Tensor | None:
-        """``Σ_m n_m · loss_m`` over the weighted microbatches, in float64 on the losses' device (no host read)."""
-        sums = [loss.double().sum() * as_sum for loss, as_sum in self._losses]
-        return torch.stack(sums).sum() if len(sums) > 1 else (sums[0] if sums else None)
+    def ahead(self) -> bool:
+        """Whether the window's ``N`` was known before its first forward."""
+        return self.total is not None
 
-    def _record(self, count: Count) -> bool:
-        """Adds a microbatch's items, or its problem; returns whether it has items to weigh."""
-        if count.problem is not None:
-            self.reject(count.problem, count.value)
-            return False
+    def add(self, count: Count, loss: Tensor | None = None, item_sum: bool = False) -> float | Tensor:
+        """Records one microbatch; returns the factor its loss is multiplied by (``0.0``: it contributes nothing).
+
+        Args:
+            count: the microbatch's count (counted ahead: the one the window's ``N`` holds).
+            loss: the microbatch's loss, kept detached for the window's loss (never read on the host).
+            item_sum: whether ``loss`` is a sum over the items rather than their mean.
+        """
+        if isinstance(count.problem, Problem):
+            self.reject(count.problem, count.value if isinstance(count.value, float) else math.nan)
+            return 0.0
         n = count.value
+        if isinstance(n, Tensor):
+            return self._add_tensor(n, count.problem, loss, item_sum)
         if n == 0:
-            return False
+            return 0.0  # exactly nothing, also from the NaN mean of a fully masked microbatch
         if self.items + n >= MAX_ITEMS:
-            self.reject(CountProblem.TOO_LARGE, self.items + n)
-            return False
-        if self.reference == 0 and self.scale is LossScale.MEAN_SIZED:
-            self.reference = n
+            self.reject(Problem.TOO_LARGE, self.items + n)
+            return 0.0
         self.items += n
-        return True
+        weight = 1.0 if item_sum else n
+        if loss is not None:
+            self._accumulate(Slot.LOSS, loss.detach().sum().double() * weight)
+        return self._factor(weight)
 
-    def reject(self, problem: CountProblem, value: float = math.nan) -> None:
-        """Records a microbatch that cannot be weighted; the window reports its first one."""
+    def _add_tensor(self, n: Tensor, problem: Tensor | None, loss: Tensor | None, item_sum: bool) -> Tensor:
+        valid = n > 0 if problem is None else (problem == 0) & (n > 0)
+        counted = torch.where(valid, n, 0.0)
+        self._accumulate(Slot.ITEMS, counted)
+        if problem is not None:
+            first = self._device.get(Slot.CODE)
+            if first is None:
+                self._device[Slot.CODE], self._device[Slot.VALUE] = problem, torch.where(problem > 0, n, 0.0)
+            else:  # the window's first problem stays
+                self._device[Slot.CODE] = torch.where(first > 0, first, problem)
+                self._device[Slot.VALUE] = torch.where(first > 0, self._device[Slot.VALUE], n)
+        weight = torch.where(valid, 1.0, 0.0) if item_sum else counted
+        if loss is not None:
+            part = loss.detach().sum().double()
+            self._accumulate(Slot.LOSS, torch.where(valid, part * weight, 0.0))  # an inf loss of no count: 0
+            self._accumulate(Slot.UNCUT, (~valid & ~torch.isfinite(part)).double())
+        factor = self._factor(weight)
+        assert isinstance(factor, Tensor)
+        return factor
+
+    def _factor(self, weight: float | Tensor) -> float | Tensor:
+        if self.total is None:
+            return weight / self.reference
+        if isinstance(self.total, Tensor):  # N still on the device: an epoch's first window counted ahead
+            return torch.where(self.total > 0, weight * self.divisor / self.total, 0.0)
+        return weight * self.divisor / self.total if self.total > 0 else 0.0
+
+    def _accumulate(self, slot: Slot, value: Tensor) -> None:
+        held = self._device.get(slot)
+        self._device[slot] = value if held is None else held + value
+
+    def reject(self, problem: Problem, value: float = math.nan) -> None:
+        """Records a microbatch that cannot be weighted; the window reports its first problem."""
         if self.problem is None:
             self.problem = (problem, value)
 
-    def payload(self, rank: int, more: bool = True) -> CountPayload:
-        """This rank's contribution to the window's count SUM.
+    def payload(self, rank: int, more: bool, device: torch.device, following: float = 0.0) -> Tensor:
+        """This rank's contribution to the window's SUM, a float64 vector on ``device`` indexed by ``Slot``.
+
+        Nothing is read from the device: the parts that live there are added there.
 
         Args:
             rank: this rank's index in the group the counts are summed over.
-            more: whether this rank holds real batches after this window (see :mod:`.participation`).
-        """
-        return CountPayload(self.items, self.problem, rank, more, self.loss_sum)
-
-    def handover(self, following: float, more: bool) -> list[float]:
-        """This rank's :class:`~lightning_weighted._counts.Handover` at the end of a ``GLOBAL_MEAN`` window.
-
-        Its loss slot holds 0: the share of the loss is on the device, and :meth:`add_share` adds it there.
-
-        Args:
-            following: the planned items of the next window (0 if there is none).
             more: whether this rank holds real batches after this window.
+            device: where the gradients live.
+            following: counted ahead: this rank's items in the next window.
         """
-        return [following, float(self.problem is not None), float(more), 0.0]
-
-    def add_share(self, slot: Tensor) -> None:
-        """Adds this rank's share of the window's loss, ``Σ n·loss / N``, to ``slot`` (a 0-dim tensor on the device).
-
-        One in-place op per weighted microbatch, in the slot's dtype (the handover's loss slot); nothing is read.
-        """
-        total = self.total
-        assert total is not None, "the window's planned counts were not summed: call `Window.receive` first"
-        for loss, as_sum in self._losses:  # N > 0 here: the microbatch was weighted
-            part = loss if loss.dim() == 0 else loss.sum()
-            weight = as_sum / total
-            if isinstance(weight, Tensor):  # N still on the device (an epoch's first window)
-                slot.add_(part * weight)
+        fields = [0.0] * WIDTH
+        fields[Slot.ITEMS], fields[Slot.NEXT], fields[Slot.MORE] = self.items, following, float(more)
+        if self.problem is not None:
+            problem, value = self.problem
+            fields[Slot.INVALID], fields[Slot.CODE] = 1.0, code(rank, problem)
+            fields[Slot.VALUE] = _reported(problem, value)
+        vector = torch.tensor(fields, dtype=torch.float64)
+        if device.type == "cuda":
+            vector = vector.pin_memory()  # a pinned, non-blocking copy keeps the host from waiting
+        vector = vector.to(device, non_blocking=True)
+        parts = dict(self._device)
+        if Slot.UNCUT in parts:
+            parts[Slot.UNCUT] = (parts[Slot.UNCUT] > 0).double()
+        items = parts.get(Slot.ITEMS)
+        if items is not None:
+            total = items + self.items
+            too_large = total >= MAX_ITEMS
+            first = parts.get(Slot.CODE, torch.zeros((), dtype=torch.float64, device=items.device))
+            offending = torch.where(too_large, total, 0.0)
+            parts[Slot.VALUE] = torch.where(first > 0, parts.get(Slot.VALUE, 0.0), offending)
+            parts[Slot.CODE] = torch.where(first > 0, first, torch.where(too_large, float(Problem.TOO_LARGE), 0.0))
+        problem_code = parts.pop(Slot.CODE, None)
+        if problem_code is not None:
+            if self.problem is None:  # one problem per rank: the host's, if it found one
+                parts[Slot.INVALID] = (problem_code > 0).double()
+                parts[Slot.CODE] = torch.where(problem_code > 0, problem_code + code(rank, Problem(1)) - 1, 0.0)
             else:
-                slot.add_(part, alpha=weight)
+                parts.pop(Slot.VALUE, None)
+        for slot, part in parts.items():
+            vector[slot] += part.to(device)
+        return vector
 
-    def finish(
-        self, summed: Sequence[float], step: int = 0, wording: Wording = TRAINER, ranks: int = 1
-    ) -> WindowResult:
+    def finish(self, summed: Sequence[float], step: int, wording: Wording = TRAINER, ranks: int = 1) -> WindowResult:
         """The window's result from the SUM of every rank's payload; raises its error, the same on every rank.
 
         Args:
-            summed: the SUM of every rank's :meth:`payload`, indexed by :class:`~lightning_weighted._counts.Slot`.
+            summed: the SUM of every rank's :meth:`payload`, then this rank's own items (``WIDTH + 1`` values).
             step: the optimizer step the window ends at.
             wording: how the error names the call that handed over the counts, and the fix.
             ranks: how many ranks' payloads were summed.
@@ -223,5 +213,8 @@ class Window:
         total = decode(summed, wording)
         if total.error is not None:
             raise total.error
-        loss = total.loss_sum / total.items if total.items > 0 else math.nan
-        return WindowResult(step, total.items, self.items, loss, total.ranks_with_more, ranks)
+        items = total.items
+        loss = total.loss_sum / items if items > 0 else math.nan
+        return WindowResult(
+            step, items, summed[WIDTH], loss, total.ranks_with_more, ranks, total.following, total.uncut
+        )

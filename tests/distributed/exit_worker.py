@@ -1,9 +1,9 @@
 """A bare training loop that exits right after its last collective: one of two gloo processes.
 
 Rank and world come from ``RANK`` and ``WORLD_SIZE``, the rendezvous from ``MASTER_ADDR`` and ``MASTER_PORT``.
-``--path`` picks the loop: ``riding`` (DDP with the weighted hook, the counts in the gradient bucket), ``own`` (the
-counts in their own all-reduce), or ``backward`` (no DDP: one all-reduce inside each backward, the bare shape of
-DDP's own bucket all-reduces and FSDP's reduce-scatters).
+``--path`` picks the loop: ``window`` (DDP with the weighted window's payload summed asynchronously, started before
+each backward, as the strategies run it), or ``backward`` (no DDP: one all-reduce inside each backward, the bare
+shape of DDP's own bucket all-reduces and FSDP's reduce-scatters).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_weighted import LossScale, WeightedReduceState, Window, weighted_allreduce_hook
-from lightning_weighted._counts import count_of
+from lightning_weighted.counts import WIDTH, read_count
+from lightning_weighted.window import Window
 
 
 class _AllReduce(torch.autograd.Function):
@@ -34,7 +34,7 @@ class _AllReduce(torch.autograd.Function):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--path", choices=["riding", "own", "backward"], required=True)
+    parser.add_argument("--path", choices=["window", "backward"], required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     if args.path == "backward":
@@ -45,16 +45,17 @@ def main() -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     ddp = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)))
-    state = WeightedReduceState(rides=args.path == "riding")
-    ddp.register_comm_hook(state, weighted_allreduce_hook)
     for _ in range(3):
         x = torch.randn(2 + 4 * rank, 8)
-        window = Window(LossScale.ITEM_SUM if args.path == "riding" else LossScale.MEAN_SIZED)
+        window = Window()
         loss = ddp(x).pow(2).mean()
-        loss = loss * window.add(count_of({"count": len(x)}, x), loss)
-        state.begin_window(window.payload(rank), window.reference, torch.device("cpu"))
+        loss = loss * window.add(read_count(len(x)), loss)
+        payload = window.payload(rank, more=True, device=torch.device("cpu"))
+        summed = torch.cat([payload, payload[:1]])
+        work = dist.all_reduce(summed[:WIDTH], async_op=True)
         loss.backward()
-        assert window.finish(state.counts()).items == 2 + 6
+        work.wait()
+        assert window.finish(summed.tolist(), step=0).items == 2 + 6
     # no destroy_process_group(): the interpreter's exit follows the last collective's callbacks at once
 
 

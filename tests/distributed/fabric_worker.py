@@ -27,6 +27,7 @@ from scenario import (
     make_batches,
     make_model,
     make_optimizer,
+    masked_mean,
     shared_dataset,
 )
 from sharded_worker import local, whole
@@ -34,7 +35,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from worker import _COLLECTIVES, Recorder, rank_arguments
 
 import lightning_weighted
-from lightning_weighted.fabric.model_parallel import shard_each_child
+from lightning_weighted.engines.fsdp2 import shard_blocks
 
 
 @dataclasses.dataclass
@@ -55,13 +56,11 @@ def make_strategy(config: FabricConfig) -> Any:
         if weighted(config):
             return lightning_weighted.WeightedFabricModelParallelStrategy(participation=config.participation, **kwargs)
         return ModelParallelStrategy(
-            shard_each_child, data_parallel_size=config.world_size, tensor_parallel_size=1, **kwargs
+            shard_blocks, data_parallel_size=config.world_size, tensor_parallel_size=1, **kwargs
         )
     if weighted(config):
         if config.participation != "pad":
             kwargs["participation"] = config.participation
-        if config.ride_limit_bytes is not None:
-            kwargs["ride_limit_bytes"] = config.ride_limit_bytes
         return lightning_weighted.WeightedFabricDDPStrategy(**kwargs)
     return DDPStrategy(**kwargs)
 
@@ -158,7 +157,7 @@ def train_epoch(fabric: Fabric, config: FabricConfig, model: Any, optimizer: Any
         with fabric.no_backward_sync(model, enabled=sync_off):
             losses = item_losses(model, x, y)
             total = (losses * w).sum()
-            mean = total / w.sum()  # NaN when every item is masked: 0/0
+            mean = masked_mean(config, losses, w)
             count = count_of(config, w)
             if config.bad_count is not None and list(config.bad_count[:2]) == [fabric.global_rank, index]:
                 count = config.bad_count[2]

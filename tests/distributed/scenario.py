@@ -66,14 +66,12 @@ class Config:
     join: bool = False  # enter DistributedDataParallel.join() around training
     python_reducer: bool = False  # torch._dynamo.config.optimize_ddp = "python_reducer"
     bucket_cap_mb: float | None = None  # DDP's bucket size: a tiny one puts every parameter in its own bucket
-    ride_limit_bytes: int | None = None  # WeightedReduceState.ride_limit_bytes (0: the counts never ride)
-    fp16_backward: bool = False  # take the strategy's fp16 path (mean-sized losses; Lightning has no CPU fp16)
     loss_shape: Sequence[int] | None = None  # the mean reshaped to this one-element shape
     item_sum: bool = False  # return {"loss": Σ w·ℓ, "count": n, "reduction": "sum"}
+    python_count: bool = False  # return the count as a Python number (host), not a tensor (on the device)
+    safe_mean: bool = False  # the mean of a fully masked microbatch divides 0 by 1, not by 0 (a finite gradient)
     no_count: bool = False  # return {"loss": mean}
     host_reads: bool = False  # batches leave the loader as `reads.HostTensor`s, reach the device as `DeviceTensor`s
-    carry_counts: bool = True  # WeightedDDPStrategy(carry_counts=...)
-    reducer_divides: bool | None = None  # WeightedDDPStrategy(reducer_divides=...): True lets DDP's reducer divide
     device: str = "cpu"  # "cuda": every rank on cuda:0 (NCCL alone, gloo on CUDA tensors for several)
     sync_debug: bool = False  # CUDA: torch.cuda.set_sync_debug_mode("error") around microbatches after step 2
 
@@ -149,9 +147,14 @@ def item_losses(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
 def count_of(config: Config, w: Tensor) -> Any:
     if config.mode == "examples":
         return len(w)  # a Python int
-    if config.mode == "tokens":
-        return w.long().sum()  # an int64 tensor
-    return w.sum()  # a float tensor
+    count = w.long().sum() if config.mode == "tokens" else w.sum()  # an int64 tensor, or a float one
+    return count.item() if config.python_count else count
+
+
+def masked_mean(config: Config, losses: Tensor, w: Tensor) -> Tensor:
+    """``Σ w·ℓ / Σ w``: NaN when every item is masked (0/0), unless ``safe_mean`` divides 0 by 1 there."""
+    total = w.sum()
+    return (losses * w).sum() / (torch.where(total > 0, total, 1.0) if config.safe_mean else total)
 
 
 class WeightedModule(LightningModule):
@@ -173,7 +176,7 @@ class WeightedModule(LightningModule):
         if self.config.raise_at is not None and [self.current_epoch, batch_idx] == list(self.config.raise_at):
             raise RuntimeError(f"injected failure at epoch {self.current_epoch}, batch {batch_idx}")
         losses = item_losses(self.model, x, y)
-        mean = (losses * w).sum() / w.sum()  # NaN when every item is masked: 0/0
+        mean = masked_mean(self.config, losses, w)
         count = count_of(self.config, w)
         if self.config.fault is not None and self.config.fault[2] == batch_idx:
             failed = inject(self.config.fault, self.global_rank, "training_step")

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from worker import Recorder, make_counter, rank_arguments
 
 import lightning_weighted
-from lightning_weighted import AnyDeviceFSDPStrategy
+from lightning_weighted.trainer.fsdp1 import CPUFSDPStrategy
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -52,8 +52,10 @@ class ShardedConfig(Config):
 class WorldCounting(lightning_weighted.WeightedModelParallelStrategy):
     """Counts over every process: right without tensor parallelism, `tensor_parallel` times too many with it."""
 
-    def _count_group(self) -> dist.ProcessGroup | None:
-        return None
+    def _make_engine(self) -> Any:
+        engine = super()._make_engine()
+        engine.group = None  # the world's processes, tensor-parallel peers among them
+        return engine
 
 
 class ShardedModule(WeightedModule):
@@ -233,7 +235,7 @@ def make_strategy(config: ShardedConfig) -> Any:
 
         param, reduce = config.mixed.split("/")
         mixed = MixedPrecision(param_dtype=DTYPES[param], reduce_dtype=DTYPES[reduce])
-    cls = lightning_weighted.WeightedFSDPStrategy if weighted else AnyDeviceFSDPStrategy
+    cls = lightning_weighted.WeightedFSDPStrategy if weighted else CPUFSDPStrategy
     return cls(
         timeout=timeout,
         auto_wrap_policy={nn.Linear},

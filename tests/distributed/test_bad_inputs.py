@@ -48,8 +48,11 @@ def test_gradient_clipping_by_value_clips_the_normalized_gradient(tmp_path):
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
 
 
-def test_a_compiled_model_trains_the_reference(tmp_path):
-    config = Config(strategy="ddp_weighted", compile=True, accumulate=2)
+@pytest.mark.parametrize("python_reducer", [False, True])
+def test_a_compiled_model_trains_the_reference(tmp_path, python_reducer):
+    # `optimize_ddp="python_reducer"`: compiled autograd averages the buckets instead of DDP's reducer; the weights
+    # sit in the losses and in the one multiply after the backward, which any averaging reduction leaves exact
+    config = Config(strategy="ddp_weighted", compile=True, accumulate=2, python_reducer=python_reducer)
     result = fit(config, tmp_path, timeout=300)
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
 
@@ -61,7 +64,7 @@ def test_ddp_join_around_training_is_refused_on_every_rank(tmp_path):
 
 def test_a_rank_whose_whole_window_is_masked_still_steps_and_the_result_is_defined(tmp_path):
     # rank 1 has no valid item in window 1 (microbatches 2 and 3): it contributes zero, rank 0's items decide
-    config = Config(strategy="ddp_weighted", accumulate=2, masked=[(1, 2), (1, 3)])
+    config = Config(strategy="ddp_weighted", accumulate=2, masked=[(1, 2), (1, 3)], python_count=True)
     result = fit(config, tmp_path)
     assert result[1]["windows"][1][2] == 0.0  # rank 1's local count in that window
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5

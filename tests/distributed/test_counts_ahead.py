@@ -2,7 +2,7 @@
 
 With an `ItemCounter` and one train loader the strategy counts every batch where the loader yields it, plans each
 window before its first forward, scales every loss by P·n/N and leaves the reduction to DDP's C++ reducer; each
-window's handover (the next window's N, late problems, the loss) rides in the gradient all-reduce.
+window's payload (the next window's N, late problems, the loss) is summed once, overlapping the syncing backward.
 """
 
 from __future__ import annotations
@@ -96,23 +96,15 @@ def test_parameters_unused_in_the_loss_still_let_the_carrier_reach_the_reducer(t
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
 
 
-def test_a_handover_in_its_own_float64_all_reduce_trains_the_reference(tmp_path):
-    # `carry_counts=False`, as where the carrier would not stay exact (bf16 beyond 256 ranks)
-    config = dataclasses.replace(AHEAD, accumulate=2, carry_counts=False, count_collectives=True, counter="quiet")
-    result = fit(config, tmp_path)
-    _ahead(result)
-    assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
-    ours = [c for c in result[0]["collectives"] if c != SIGTERM_FLAG]
-    # the epoch's first window: its count now; then one 4-value handover per window
-    assert ours == [("all_reduce", "torch.float64", 1)] + [("all_reduce", "torch.float64", 4)] * 3
-
-
-def test_no_collective_of_its_own_per_step_beyond_the_epochs_first_count(tmp_path):
+def test_one_payload_per_step_beyond_the_epochs_first_count(tmp_path):
     config = dataclasses.replace(AHEAD, accumulate=3, batches=7, epochs=2, count_collectives=True, counter="quiet")
     result = fit(config, tmp_path)
+    first, payload = ("all_reduce", "torch.float64", 1), ("all_reduce", "torch.float64", 8)
     for rank in result:
         assert len(rank["steps"]) == 6
-        assert [c for c in rank["collectives"] if c != SIGTERM_FLAG] == [("all_reduce", "torch.float64", 1)] * 2
+        # each epoch's first window sums its own count at its first batch; every window then sums one payload,
+        # started before its syncing backward, which carries the next window's count
+        assert [c for c in rank["collectives"] if c != SIGTERM_FLAG] == ([first] + [payload] * 3) * 2
 
 
 @pytest.mark.parametrize(
@@ -125,7 +117,7 @@ def test_no_collective_of_its_own_per_step_beyond_the_epochs_first_count(tmp_pat
             {"bare_loss": False, "bad_count": [1, 3, 99]},
             "ValueError: on rank 1, training_step returned count=99.0, which differs from the count ItemCounter",
         ),
-        # found once the window's counts were summed: the flag rides in the handover, the details follow
+        # found once the window's counts were summed: the window's payload brings them
         ({"fault": ["none", 1, 3]}, "RuntimeError: on rank 1, training_step returned None instead of a loss"),
         ({"fault": ["nograd", 1, 3]}, "RuntimeError: on rank 1, training_step returned a loss that is not attached"),
     ],
@@ -153,16 +145,18 @@ def test_no_count_is_read_back_from_the_device_and_the_strategy_reads_the_host_o
         assert (
             strategy_reads(rank, "device") == Counter()
         )  # ItemCounter counted the host batches as the loader gave them
-        # one read per optimizer step: the handover, after the window's last backward (at an epoch's first window
+        # one read per optimizer step: the payload, after the window's last backward (at an epoch's first window
         # with the window's own N, which stayed on the device until then)
         assert strategy_reads(rank, "other", ours=True) == Counter({step: 1 for step in range(6)})
 
 
-def test_returned_device_counts_are_read_back_once_per_microbatch_where_counts_ride(tmp_path):
-    # the counterpart: the same run with the count returned by training_step (no ItemCounter) reads each one back
+def test_returned_device_counts_are_never_read_back_where_counts_come_after_the_forward(tmp_path):
+    # the counterpart: the count returned by training_step (no ItemCounter) stays on the device, checked and summed
+    # there; the one read per optimizer step is the window's payload
     config = dataclasses.replace(AHEAD, counter=None, bare_loss=False, accumulate=2, lengths=(5, 3), host_reads=True)
     result = fit(config, tmp_path)
     assert result[0]["counts_ahead"] is False
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
-    for rank, held in zip(result, config.lengths, strict=True):
-        assert sum(strategy_reads(rank, "device").values()) == held  # every real microbatch: a sync on a GPU
+    for rank in result:
+        assert strategy_reads(rank, "device") == Counter()
+        assert strategy_reads(rank, "other", ours=True) == Counter({step: 1 for step in range(len(rank["steps"]))})

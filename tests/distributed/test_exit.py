@@ -1,10 +1,9 @@
 """A process that exits right after its last collective exits cleanly (2 gloo processes).
 
-The thread that completes a collective takes the GIL once more after waking the waiter: to release the future's
-Python callbacks (the weighted hook's) and the work, which holds the Python context of the backward that launched
-it. A process that exits in between aborts ("terminate called without an active exception"). Without the exit
-handler of `lightning_weighted.reduce.callbacks`, about one run of four of ``exit_worker.py --path riding`` did, and
-14 of 40 runs of ``--path backward``; twelve runs (four per path) all end with exit code 0.
+The thread that completes a collective takes the GIL once more after waking the waiter, to release the work, which
+holds the Python context of the code that launched it. A process that exits in between aborts ("terminate called
+without an active exception"). Without the exit settle of `lightning_weighted._compat`, 14 of 40 runs of
+``exit_worker.py --path backward`` did; eight runs (four per path) all end with exit code 0.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ WORKER = Path(__file__).parent / "exit_worker.py"
 RUNS = 4  # per path; with the abort back, the four backward runs would all pass once in six (0.65 ** 4)
 
 
-@pytest.mark.parametrize("path", ["riding", "own", "backward"])
+@pytest.mark.parametrize("path", ["window", "backward"])
 def test_processes_exit_cleanly_right_after_the_last_collective(path: str) -> None:
     command = [sys.executable, str(WORKER), "--path", path]
     for attempt in range(RUNS):

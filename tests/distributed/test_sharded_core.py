@@ -17,20 +17,32 @@ PLAIN = {"fsdp2_weighted": "fsdp2", "fsdp_weighted": "fsdp"}
 @pytest.mark.parametrize(
     ("strategy", "every_microbatch"), [("fsdp2_weighted", False), ("fsdp_weighted", False), ("fsdp_weighted", True)]
 )
-def test_fully_masked_microbatches_with_nan_means_contribute_exactly_zero(tmp_path, strategy, every_microbatch):
-    # rank 0's microbatch 1 and rank 1's microbatch 4 have every token masked: their means are 0/0 = NaN; FSDP2
-    # zeroes them in its reduce-scatter, FSDP1 before they accumulate (once per window, or every microbatch, here
-    # with activation checkpointing: the backward recomputes the forward)
+@pytest.mark.parametrize("python_count", [True, False])
+def test_fully_masked_microbatches_contribute_exactly_zero(tmp_path, strategy, every_microbatch, python_count):
+    # rank 0's microbatch 1 and rank 1's microbatch 4 have every token masked. Counted on the host, their means are
+    # 0/0 = NaN: FSDP2 zeroes them in its reduce-scatter, FSDP1 before they accumulate (once per window, or every
+    # microbatch, here with activation checkpointing: the backward recomputes the forward). Counted on the device,
+    # the loss is multiplied by 0, and the mean is finite (0/1) where nothing is counted.
     config = ShardedConfig(
         strategy=strategy,
         accumulate=2,
         masked=[(0, 1), (1, 4)],
         sync_every_microbatch=every_microbatch,
         checkpointing=every_microbatch,
+        python_count=python_count,
+        safe_mean=not python_count,
     )
     result = fit_sharded(config, tmp_path)
     assert is_finite(result[0]["params"])
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_nan_mean_counted_0_on_the_device_is_the_same_clear_error_on_every_rank(tmp_path, strategy):
+    config = ShardedConfig(strategy=strategy, accumulate=2, masked=[(1, 2)])
+    done = fit_sharded(config, tmp_path, timeout=90, expect_failure=True)
+    message = "RuntimeError: On 1 rank(s), a microbatch whose count is 0 has a non-finite loss"
+    assert done.stdout.count(message) == 2, done.stdout[-4000:]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -192,7 +204,7 @@ def test_one_tiny_collective_per_optimizer_step_is_all_it_adds(tmp_path, strateg
     plain = fit_sharded(dataclasses.replace(config, strategy=PLAIN[strategy]), tmp_path)[0]
     assert len(weighted["steps"]) == 3  # windows of 3, 3 and 1 microbatches
     ours = Counter(weighted["collectives"]) - Counter(plain["collectives"])
-    assert ours == {("all_reduce", "torch.float64", 6): 3}  # the window's counts: 48 bytes per optimizer step
+    assert ours == {("all_reduce", "torch.float64", 8): 3}  # the window's payload: 64 bytes per optimizer step
     assert not Counter(plain["collectives"]) - Counter(weighted["collectives"])
     # the plain strategy's reduce-scatters, per FSDP unit (2 Linear layers): FSDP2 every microbatch (7), FSDP1
     # once per window (3)

@@ -134,14 +134,6 @@ def make_strategy(config: Config) -> Any:
     if weighted_name(config) and config.participation != "pad":
         kwargs["participation"] = config.participation
     weighted = weighted_name(config)
-    if config.ride_limit_bytes is not None:
-        kwargs["ride_limit_bytes"] = config.ride_limit_bytes
-    if config.fp16_backward:  # what `16-mixed` selects on CUDA; on CPU Lightning turns it into bf16-mixed
-        kwargs["loss_scale"] = "mean_sized"
-    if not config.carry_counts:
-        kwargs["carry_counts"] = False
-    if weighted and config.reducer_divides is not None:
-        kwargs["reducer_divides"] = config.reducer_divides
     start_method = config.strategy.removeprefix("ddp_weighted" if weighted else "ddp").lstrip("_") or "popen"
     cls = lightning_weighted.WeightedDDPStrategy if weighted else DDPStrategy
     return cls(start_method=start_method, **device_kwargs(config.device, config.world_size), **kwargs)

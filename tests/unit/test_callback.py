@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch import Trainer
 
 from lightning_weighted import ItemCounter, WindowResult
-from lightning_weighted._counts import CountProblem, read_count
+from lightning_weighted.counts import Problem, read_count
 
 LABELS = torch.tensor(
     [
@@ -58,17 +58,18 @@ def test_a_count_function_is_called_with_the_batch():
 @pytest.mark.parametrize(
     ("counter", "batch", "problem"),
     [
-        (ItemCounter(lambda b: -2), {}, CountProblem.NEGATIVE),
-        (ItemCounter(lambda b: math.nan), {}, CountProblem.NOT_FINITE),
-        (ItemCounter(lambda b: torch.tensor(math.inf)), {}, CountProblem.NOT_FINITE),
-        (ItemCounter(lambda b: "3"), {}, CountProblem.NOT_A_NUMBER),
-        (ItemCounter(lambda b: 2.5, integer=True), {}, CountProblem.FRACTIONAL),
-        (ItemCounter("weights", key="w"), {"w": torch.tensor([1.0, -4.0])}, CountProblem.NEGATIVE),
+        (ItemCounter(lambda b: -2), {}, Problem.NEGATIVE),
+        (ItemCounter(lambda b: math.nan), {}, Problem.NOT_FINITE),
+        (ItemCounter(lambda b: torch.tensor(math.inf)), {}, Problem.NOT_FINITE),
+        (ItemCounter(lambda b: "3"), {}, Problem.NOT_A_NUMBER),
+        (ItemCounter(lambda b: 2.5, integer=True), {}, Problem.FRACTIONAL),
+        (ItemCounter("weights", key="w"), {"w": torch.tensor([1.0, -4.0])}, Problem.NEGATIVE),
     ],
 )
 def test_bad_counts_from_the_batch_are_named_as_problems(counter, batch, problem):
-    # the strategy reads them with `read_count` and raises on every rank (tests/distributed/test_item_counter.py)
-    assert read_count(counter.count_of(batch), integer=counter.integer)[1] is problem
+    # the strategy reads them with `read_count` (counted ahead: on the host, the batch not on the device yet) and
+    # raises on every rank (tests/distributed/test_item_counter.py)
+    assert read_count(counter.count_of(batch), integer=counter.integer, host=True).problem is problem
 
 
 def test_a_missing_key_names_what_was_found():
@@ -103,7 +104,7 @@ def test_items_per_sec_is_measured_over_the_step_not_since_the_callback_was_buil
     time.sleep(0.5)  # the callback is built long before training starts
     logged: dict[str, float] = {}
     module = SimpleNamespace(device=torch.device("cpu"), log_dict=lambda values, **_: logged.update(values))
-    strategy = SimpleNamespace(last_window=None, counts_ahead=False, supply_count=lambda *_, **__: None)
+    strategy = SimpleNamespace(last_window=None)
     trainer = SimpleNamespace(strategy=strategy, logger=None, global_step=0)
     counter.on_train_batch_start(trainer, module, torch.zeros(4, 2), 0)  # type: ignore[arg-type]
     strategy.last_window = WindowResult(step=0, items=1000.0, local_items=400.0, loss=0.5)

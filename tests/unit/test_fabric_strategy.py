@@ -13,8 +13,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY
 
 import lightning_weighted
 from lightning_weighted import WeightedFabricDDPStrategy, WeightedFabricModelParallelStrategy
-from lightning_weighted._counts import Count, CountProblem
-from lightning_weighted.fabric._adapter import FABRIC
+from lightning_weighted.counts import FABRIC, Count, Problem
 from lightning_weighted.window import Window
 
 NAMES = {
@@ -58,19 +57,20 @@ def test_fabric_builds_the_strategy_from_its_name(name):
 @pytest.mark.parametrize(
     ("problem", "value", "error", "match"),
     [
-        (CountProblem.MISSING, math.nan, TypeError, r"on rank 1, fabric\.backward got no count\. Pass each micro"),
-        (CountProblem.NEGATIVE, -3.0, ValueError, r"count is negative \(-3\.0\)\. Pass .* `fabric\.backward\(loss, c"),
-        (CountProblem.NO_GRAPH, math.nan, RuntimeError, r"on rank 1, fabric\.backward got a loss that is not attac"),
+        (Problem.MISSING, math.nan, TypeError, r"on rank 1, fabric\.backward got no count\. Pass each micro"),
+        (Problem.NEGATIVE, -3.0, ValueError, r"count is negative \(-3\.0\)\. Pass .* `fabric\.backward\(loss, c"),
+        (Problem.NO_GRAPH, math.nan, RuntimeError, r"on rank 1, fabric\.backward got a loss that is not attac"),
     ],
 )
 def test_fabric_errors_name_fabric_backward_and_its_count_argument(problem, value, error, match):
     good, bad = Window(), Window()
     good.add(Count(4.0))
     bad.reject(problem, value)
-    summed = [a + b for a, b in zip(good.payload(0).fields(), bad.payload(1).fields(), strict=True)]
+    cpu = torch.device("cpu")
+    summed = (good.payload(0, True, cpu) + bad.payload(1, True, cpu)).tolist()
     for window in (good, bad):
         with pytest.raises(error, match=match):
-            window.finish(summed, wording=FABRIC)
+            window.finish([*summed, 0.0], step=0, wording=FABRIC)
 
 
 def test_a_bad_participation_policy_is_refused_where_it_is_passed():
@@ -79,9 +79,8 @@ def test_a_bad_participation_policy_is_refused_where_it_is_passed():
 
 
 def test_the_fabric_strategy_pickles_for_the_spawn_launcher():
-    strategy = pickle.loads(pickle.dumps(WeightedFabricDDPStrategy(find_unused_parameters=True, ride_limit_bytes=7)))
+    strategy = pickle.loads(pickle.dumps(WeightedFabricDDPStrategy(find_unused_parameters=True)))
     assert strategy._ddp_kwargs == {"find_unused_parameters": True}
-    assert strategy._reduce_state.ride_limit_bytes == 7
     assert (strategy.skipped_steps, strategy.last_window, strategy.padding_step) == (0, None, False)
 
 

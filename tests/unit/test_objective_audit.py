@@ -13,14 +13,14 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
 
-from lightning_weighted._counts import imbalance
 from lightning_weighted.audit import (
     ObjectiveAudit,
     ObjectiveMismatchError,
-    is_replaying,
+    is_audit_rerun,
     relative_error,
     spread,
 )
+from lightning_weighted.counts import imbalance
 
 
 def test_relative_error_of_plain_ddp_on_the_worked_trace_is_one_fifth():
@@ -193,16 +193,16 @@ def test_what_training_step_logs_is_not_logged_again_by_the_replay():
 
 class RecordsReplays(Trace):
     def training_step(self, batch: Tensor, batch_idx: int) -> Any:
-        self.calls.append(is_replaying())
+        self.calls.append(is_audit_rerun())
         return super().training_step(batch, batch_idx)
 
 
-def test_is_replaying_tells_the_audit_replay_apart_from_training():
+def test_is_audit_rerun_tells_the_audit_replay_apart_from_training():
     module = RecordsReplays([[9.0, 9.0], [7.0] * 6, [8.0]])
     module.calls = []
     fit(module, ObjectiveAudit(every_n_steps=2, on_mismatch="raise"), accumulate=1)
     assert module.calls == [False, True, False, False, True]  # steps 0 and 2 are replayed once each
-    assert is_replaying() is False
+    assert is_audit_rerun() is False
 
 
 class NegativeCount(Trace):

@@ -1,10 +1,9 @@
-"""The sharded strategies' surface and `reduce/sharded.py` on one in-process rank (no extra processes)."""
+"""The sharded strategies' surface and the FSDP2 engine on one in-process rank (no extra processes)."""
 
 from __future__ import annotations
 
 import importlib
 import math
-import pickle
 
 import pytest
 import torch
@@ -14,8 +13,9 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 
 import lightning_weighted
-from lightning_weighted import ShardedReduceState, WeightedFSDPStrategy, WeightedModelParallelStrategy
-from lightning_weighted.reduce.sharded import data_parallel_group, divide_gradients, reduce_with_sum
+from lightning_weighted import WeightedFSDPStrategy, WeightedModelParallelStrategy
+from lightning_weighted.engines.fsdp2 import FSDP2Engine, data_parallel_group, shard_blocks
+from lightning_weighted.loop import _multiply
 
 NAMES = {"fsdp2_weighted": WeightedModelParallelStrategy, "fsdp_weighted": WeightedFSDPStrategy}
 
@@ -42,13 +42,6 @@ def test_fsdp1_sharding_strategies_that_take_no_weighted_reduction_are_refused(s
         WeightedFSDPStrategy(sharding_strategy=sharding, **extra)
 
 
-def test_the_reduce_state_pickles_without_its_group_and_wants_a_payload_before_counts():
-    state = pickle.loads(pickle.dumps(ShardedReduceState()))
-    assert state.process_group is None and state.empty is False
-    with pytest.raises(RuntimeError, match=r"call `ShardedReduceState\.begin_window` before the backward"):
-        state.counts()
-
-
 @pytest.fixture
 def one_rank():
     store = dist.HashStore()
@@ -73,9 +66,9 @@ def _sharded(policy: object = None, root: bool = True) -> nn.Sequential:
 
 def test_a_model_without_fsdp2_modules_or_with_unsharded_parameters_is_refused(one_rank):
     with pytest.raises(ValueError, match=r"Sequential holds no FSDP2 module: apply .*fully_shard"):
-        reduce_with_sum(nn.Sequential(nn.Linear(2, 2)), ShardedReduceState())
+        FSDP2Engine(nn.Sequential(nn.Linear(2, 2)), None)
     with pytest.raises(ValueError, match=r"2 trainable parameters are not sharded by FSDP2 \(first: '2.weight'\)"):
-        reduce_with_sum(_sharded(root=False), ShardedReduceState())
+        FSDP2Engine(_sharded(root=False), None)
 
 
 def test_a_float16_policy_is_refused_with_the_fix(one_rank):
@@ -83,13 +76,13 @@ def test_a_float16_policy_is_refused_with_the_fix(one_rank):
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float16)
     with pytest.raises(ValueError, match=r"module '\(the root\)' computes or reduces .* float16.*bfloat16 or float32"):
-        reduce_with_sum(_sharded(policy), ShardedReduceState())
+        FSDP2Engine(_sharded(policy), None)
 
 
 def test_on_one_rank_gradients_are_item_sums_and_an_empty_microbatch_contributes_exact_zeros(one_rank):
     # one rank: FSDP2 copies instead of reduce-scattering, and its all-reduce hook zeroes the empty microbatch
-    model, state = _sharded(), ShardedReduceState()
-    reduce_with_sum(model, state)
+    model = _sharded()
+    engine = FSDP2Engine(model, None)
     reference = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
     for param, whole in zip(reference.parameters(), model.parameters(), strict=True):
         param.data.copy_(whole.full_tensor())
@@ -98,12 +91,11 @@ def test_on_one_rank_gradients_are_item_sums_and_an_empty_microbatch_contributes
     reference(x).sum().backward()
     for param, whole in zip(reference.parameters(), model.parameters(), strict=True):
         assert torch.equal(whole.grad.full_tensor(), param.grad)
-    state.empty = True
-    (model(x).sum() * math.nan).backward()  # a fully masked mean: 0/0
-    state.empty = False
+    engine.empty(model(x).sum() * math.nan).backward()  # a fully masked mean: 0/0
+    engine.after_backward()
     for param, whole in zip(reference.parameters(), model.parameters(), strict=True):
         assert torch.equal(whole.grad.full_tensor(), param.grad)  # unchanged: it accumulated exact zeros
-    divide_gradients(model.parameters(), 4.0)
+    _multiply(model.parameters(), torch.tensor(0.25, dtype=torch.float64))  # the loop's D·c/N on the shards
     for param, whole in zip(reference.parameters(), model.parameters(), strict=True):
         assert torch.equal(whole.grad.full_tensor(), param.grad / 4.0)
 
@@ -115,3 +107,33 @@ def test_the_data_parallel_group_of_a_mesh_spans_its_data_dimensions(one_rank):
     assert dist.get_world_size(data_parallel_group(mesh)) == 1
     hsdp = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
     assert dist.get_world_size(data_parallel_group(hsdp, ("replicate", "shard"))) == 1
+
+
+class _Tied(nn.Module):
+    """A language model's shape: the output layer shares its weight with the embedding (Hugging Face's GPT-2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.body = nn.ModuleDict({"embed": nn.Embedding(5, 4), "blocks": blocks})
+        self.head = nn.Linear(4, 5, bias=False)
+        self.head.weight = self.body["embed"].weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.body["embed"](tokens)
+        for block in self.body["blocks"]:
+            hidden = torch.tanh(block(hidden))
+        return self.head(hidden)
+
+
+def test_shard_blocks_shards_every_block_and_leaves_a_tied_weight_to_the_root(one_rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    model = shard_blocks(_Tied(), mesh)
+    sharded = {name for name, module in model.named_modules() if isinstance(module, FSDPModule)}
+    # the blocks on their own; not the embedding nor the head, whose weight is one; the root holds that weight
+    assert sharded == {"", "body.blocks.0", "body.blocks.1"}
+    model(torch.tensor([1, 2, 3])).sum().backward()  # runs: torch refuses a tied weight split over two units
+    assert model.head.weight is model.body["embed"].weight

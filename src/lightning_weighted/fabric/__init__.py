@@ -1,6 +1,6 @@
-"""Fabric strategies: each wires the window core into one engine's reduction, for loops written with Fabric."""
+"""Fabric strategies: each drives the window loop over one engine, for loops written with Fabric."""
 
 from lightning_weighted.fabric.ddp import WeightedFabricDDPStrategy
-from lightning_weighted.fabric.model_parallel import WeightedFabricModelParallelStrategy
+from lightning_weighted.fabric.fsdp2 import WeightedFabricModelParallelStrategy
 
 __all__ = ["WeightedFabricDDPStrategy", "WeightedFabricModelParallelStrategy"]

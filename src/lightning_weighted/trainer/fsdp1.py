@@ -7,9 +7,6 @@ from collections.abc import Generator
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setup_activation_checkpointing
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -17,22 +14,24 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
-from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_weighted.participation import Policy
-from lightning_weighted.reduce.sharded import FP16_FIX, flat_parameters, weighted_reduce_scatter_hook, zero_gradients
-from lightning_weighted.strategies._sharded import ShardedAdapter
+from lightning_weighted._compat import StrategyRegistry, fsdp_setup_helpers
+from lightning_weighted.data import Policy
+from lightning_weighted.engines import Engine
+from lightning_weighted.engines.fsdp1 import FSDP1Engine
+from lightning_weighted.engines.fsdp2 import FP16_FIX
+from lightning_weighted.trainer._strategy import WeightedTrainerStrategy
 
-__all__ = ["AnyDeviceFSDPStrategy", "WeightedFSDPStrategy"]
+__all__ = ["CPUFSDPStrategy", "WeightedFSDPStrategy"]
 
 _REFUSED_SHARDING = ("NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 
 
-class AnyDeviceFSDPStrategy(FSDPStrategy):
-    """Lightning's ``FSDPStrategy``, also on CPU (gloo).
+class CPUFSDPStrategy(FSDPStrategy):
+    """Lightning's ``FSDPStrategy``, also on the CPU (gloo): the plain FSDP1 that ``"fsdp_weighted"`` extends.
 
-    Lightning refuses its own ``FSDPStrategy`` on CPU; FSDP1 runs there when wrapped with
+    Lightning refuses its own ``FSDPStrategy`` on the CPU; FSDP1 runs there when wrapped with
     ``device_id=torch.device("cpu")``, and its full state dicts when they are not "offloaded" to the CPU they are
     on already (FSDP1 frees the unsharded parameters it offloads, and a CPU "offload" is the same memory). Nothing
     else differs.
@@ -54,7 +53,7 @@ class AnyDeviceFSDPStrategy(FSDPStrategy):
         from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
 
         if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+            optimizer = optimizer.optimizer
         assert self.model is not None
         with _full_state_dict_in_place(self.model):
             state = FullyShardedDataParallel.optim_state_dict(self.model, optimizer)
@@ -76,11 +75,12 @@ class AnyDeviceFSDPStrategy(FSDPStrategy):
             cpu_offload=self.cpu_offload,
             mixed_precision=self.mixed_precision_config,
             sharding_strategy=self.sharding_strategy,
-            device_id=torch.device("cpu"),  # Lightning passes the device index, which is None on CPU
+            device_id=torch.device("cpu"),  # Lightning passes the device index, which is None on the CPU
             **self.kwargs,
         )
-        _move_torchmetrics_to_device(wrapped, self.root_device)
-        _setup_activation_checkpointing(wrapped, self._activation_checkpointing_kwargs)
+        move_metrics, checkpointing = fsdp_setup_helpers()
+        move_metrics(wrapped, self.root_device)
+        checkpointing(wrapped, self._activation_checkpointing_kwargs)
         return wrapped
 
 
@@ -97,20 +97,19 @@ def _full_state_dict_in_place(module: Module) -> contextlib.AbstractContextManag
     )
 
 
-class WeightedFSDPStrategy(ShardedAdapter, AnyDeviceFSDPStrategy):
+class WeightedFSDPStrategy(WeightedTrainerStrategy, CPUFSDPStrategy):
     """FSDP1 that optimises the mean over every valid item of each optimizer step, on every rank and microbatch.
 
     Takes ``FSDPStrategy``'s arguments (auto-wrap policy, sharding strategy, mixed precision, activation
-    checkpointing, state-dict type) and runs on CPU too. ``training_step`` follows
+    checkpointing, state-dict type) and runs on the CPU too. ``training_step`` follows
     :class:`~lightning_weighted.WeightedDDPStrategy`'s contract and rules, and the update is the one stated in
     :mod:`lightning_weighted.window`.
 
-    Its communication hook SUM-reduce-scatters item-sum gradients once per window, as Lightning's ``FSDPStrategy``
-    does (the unsharded gradient is accumulated over the window's microbatches, an empty one's zeroed on its way
-    in), the window's counts are summed by one 48-byte all-reduce, and the local gradient shards are divided by
-    ``N`` before clipping and the optimizer (see :mod:`lightning_weighted.reduce.sharded`). With an ``ItemCounter``
-    the counts are taken ahead: each loss is scaled by ``n / N`` before its backward, nothing is divided, and the
-    all-reduce (32 bytes) carries the next window's count.
+    Its communication hook SUM-reduce-scatters once per window, as Lightning's ``FSDPStrategy`` reduces (the
+    unsharded gradient is accumulated over the window's microbatches, an empty one's zeroed on its way in), the
+    window's counts are summed in the strategy's one exchange, and the local gradient shards are multiplied by
+    ``1 / N`` before clipping and the optimizer; with an ``ItemCounter`` each loss is scaled by ``n / N`` before its
+    backward instead (see :mod:`lightning_weighted.engines.fsdp1`).
 
     Args:
         *args: ``FSDPStrategy``'s arguments. ``sharding_strategy`` must shard: ``"FULL_SHARD"`` (default) or
@@ -118,7 +117,7 @@ class WeightedFSDPStrategy(ShardedAdapter, AnyDeviceFSDPStrategy):
             ``"ddp_weighted"``. Float16 computation or reduction (``"16-mixed"``, ``"16-true"``, a
             ``mixed_precision`` in float16) is refused: item sums overflow it.
         participation: ``"pad"`` lets a rank whose data ran out step with count 0 until every rank is done;
-            ``"strict"`` raises instead (see :mod:`lightning_weighted.participation`).
+            ``"strict"`` raises instead (see :mod:`lightning_weighted.data`).
         sync_every_microbatch: reduce-scatter every microbatch's gradient (as FSDP2 does) instead of once per
             window: no unsharded gradient is held between microbatches, at the cost of ``A`` reduce-scatters per
             optimizer step instead of one.
@@ -147,11 +146,11 @@ class WeightedFSDPStrategy(ShardedAdapter, AnyDeviceFSDPStrategy):
                 " the hybrid strategies). Use 'FULL_SHARD' or 'SHARD_GRAD_OP', or `strategy='ddp_weighted'` in place"
                 " of 'NO_SHARD'."
             )
-        self._zeroing: list[RemovableHandle] = []
+        self._fsdp1: FSDP1Engine | None = None
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
         strategy_registry.register(
             "fsdp_weighted",
             cls,
@@ -169,9 +168,13 @@ class WeightedFSDPStrategy(ShardedAdapter, AnyDeviceFSDPStrategy):
     @override
     def _setup_model(self, model: Module) -> Module:
         wrapped = super()._setup_model(model)
-        self._reduce.process_group = wrapped.process_group  # type: ignore[assignment]
-        wrapped.register_comm_hook(self._reduce, weighted_reduce_scatter_hook)  # type: ignore[operator]
+        self._fsdp1 = FSDP1Engine(wrapped)  # its hook is registered before the root's first forward
         return wrapped
+
+    @override
+    def _make_engine(self) -> Engine:
+        assert self._fsdp1 is not None
+        return self._fsdp1
 
     @contextlib.contextmanager
     @override
@@ -181,20 +184,3 @@ class WeightedFSDPStrategy(ShardedAdapter, AnyDeviceFSDPStrategy):
         else:
             with super().block_backward_sync():
                 yield None
-
-    @override
-    def _count_group(self) -> dist.ProcessGroup | None:
-        return self._reduce.process_group
-
-    @override
-    def _zero_loss(self, loss: Tensor | None) -> Tensor:
-        zero = super()._zero_loss(loss)
-        assert self.model is not None
-        self._zeroing = zero_gradients(flat_parameters(self.model))  # before the gradient accumulates
-        return zero
-
-    @override
-    def _after_backward(self) -> None:
-        for handle in self._zeroing:
-            handle.remove()
-        self._zeroing = []

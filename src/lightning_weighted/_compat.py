@@ -1,0 +1,333 @@
+"""Every private Lightning and PyTorch symbol this package uses, and every patch it makes, in one place.
+
+Each entry says why no public API serves and the versions it was checked on (Lightning 2.6.5-2.6.6, torch 2.9-2.13);
+``tests/unit/test_compat.py`` pins each one, so a release that moves it fails there with the entry's name.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+__all__ = [
+    "LOADER_BARRIERS",
+    "BackwardSyncControl",
+    "StrategyRegistry",
+    "augment_message",
+    "extend",
+    "flat_parameters",
+    "flatten_mesh",
+    "forward_redirection",
+    "fsdp2_param_groups",
+    "fsdp_setup_helpers",
+    "join_enabled",
+    "metric_restore",
+    "metric_snapshot",
+    "multiply",
+    "own_state",
+    "patched",
+    "rebuild_loader",
+    "reduce_scatter",
+    "restore",
+    "set_sampler",
+    "silenced",
+]
+
+# The registry type of `register_strategies(cls, registry)`, which Lightning's own strategies annotate with it.
+StrategyRegistry = _StrategyRegistry
+
+# Fabric's `no_backward_sync` asks the strategy's `_backward_sync_control` (no public hook): FSDP2 under Fabric
+# replaces it so that the context only marks the window (`fabric/fsdp2.py`).
+BackwardSyncControl = _BackwardSyncControl
+
+# Lightning names the barrier it passes right before it processes a stage's dataloaders
+# (`trainer/connectors/data_connector.py`: `strategy.barrier("train_dataloader()")`, ...); `process_dataloader`
+# itself is not told which stage the loader is for.
+LOADER_BARRIERS = {"train_dataloader()": "train", "val_dataloader()": "val", "test_dataloader()": "test"}
+
+
+def augment_message(exception: BaseException, pattern: str, message: str) -> None:
+    """Lightning's ``_augment_message``, as ``DDPStrategy.on_exception`` uses it for DDP's unused-parameter error."""
+    from lightning.pytorch.utilities.exceptions import _augment_message
+
+    _augment_message(exception, pattern=pattern, new_message=message)
+
+
+def forward_redirection(strategy: Any, wrapper: nn.Module, module: nn.Module, name: str, *args: Any) -> Any:
+    """``module.<name>(*args)`` run through FSDP1's root ``wrapper``, as Lightning runs ``training_step``.
+
+    The audit re-runs ``training_step`` this way: FSDP1 gathers its parameters only inside the root's forward.
+    """
+    return strategy._forward_redirection(wrapper, module, name, *args)
+
+
+def join_enabled(ddp: nn.Module) -> bool:
+    """Whether ``DistributedDataParallel.join()`` is active on ``ddp`` (no public query for it)."""
+    config = getattr(ddp, "_join_config", None)
+    return bool(config is not None and config.enable)
+
+
+def multiply(tensors: list[Tensor], factor: Tensor | float) -> None:
+    """Multiplies ``tensors`` (same device and dtype) in place by ``factor`` in one fused pass.
+
+    ``torch._foreach_mul_`` is what ``torch.optim`` and ``clip_grad_norm_`` use; there is no public fused multiply.
+    """
+    torch._foreach_mul_(tensors, factor)
+
+
+def flatten_mesh(mesh: Any, names: tuple[str, ...]) -> Any:
+    """The one-dimensional submesh over several dimensions of a ``DeviceMesh`` (HSDP's replicate × shard)."""
+    return mesh[names]._flatten()
+
+
+def fsdp2_param_groups(module: nn.Module) -> list[Any]:
+    """An FSDP2 module's parameter groups: its mixed-precision policy and mesh, which no public attribute exposes."""
+    groups: list[Any] = module._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
+    return groups
+
+
+def flat_parameters(module: nn.Module) -> list[Tensor]:
+    """FSDP1's flat parameters in ``module``, where each unit's unsharded gradient accumulates."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    units = FullyShardedDataParallel.fsdp_modules(module)
+    return [unit._flat_param for unit in units if unit._flat_param is not None]
+
+
+def fsdp_setup_helpers() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """Lightning's helpers of FSDP1's ``_setup_model``, to wrap a module on the CPU as Lightning wraps it on CUDA."""
+    from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setup_activation_checkpointing
+
+    return _move_torchmetrics_to_device, _setup_activation_checkpointing
+
+
+def reduce_scatter(output: Tensor, source: Tensor, group: Any, op: Any, async_op: bool = False) -> Any:
+    """A reduce-scatter of ``source`` into ``output`` by the name this torch prefers (2.13 deprecates the old one)."""
+    single = getattr(dist, "reduce_scatter_single", None)
+    if single is not None:
+        return single(output=output, input=source, op=op, group=group, async_op=async_op)
+    return dist.reduce_scatter_tensor(output, source, op=op, group=group, async_op=async_op)
+
+
+@contextlib.contextmanager
+def patched(module: nn.Module, **methods: Callable[..., Any]) -> Iterator[None]:
+    """Sets ``methods`` on one module instance for the length of the block; the class is never touched.
+
+    Lightning ends an epoch only when the module's ``on_train_batch_start`` returns -1 and steps LR schedulers
+    through the module's ``lr_scheduler_step``; no strategy hook sits at either point.
+
+    Example::
+
+        >>> layer = nn.Identity()
+        >>> with patched(layer, extra_repr=lambda: "patched"):
+        ...     print(layer)
+        Identity(patched)
+        >>> print(layer)
+        Identity()
+    """
+    missing = object()
+    saved = {name: vars(module).get(name, missing) for name in methods}
+    for name, method in methods.items():
+        setattr(module, name, method)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is missing:
+                delattr(module, name)
+            else:
+                setattr(module, name, value)
+
+
+def metric_snapshot(metric: Any) -> tuple[dict[str, Any], int, Any]:
+    """A torchmetrics ``Metric``'s accumulated state, its update count and cached result, to put back later.
+
+    A replayed batch runs the user's step, metric updates and their syncs included (collectives every rank takes
+    part in), and must leave no trace; torchmetrics has no public way to set the update count back.
+    """
+    state = {name: _copied(value) for name, value in metric.metric_state.items()}
+    return state, metric._update_count, metric._computed
+
+
+def metric_restore(metric: Any, snapshot: tuple[dict[str, Any], int, Any]) -> None:
+    """Puts back what :func:`metric_snapshot` took."""
+    state, metric._update_count, metric._computed = snapshot
+    for name, value in state.items():
+        setattr(metric, name, value)
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.clone()
+    return [item.clone() if isinstance(item, Tensor) else item for item in value]
+
+
+@contextlib.contextmanager
+def silenced(message: str, category: type[Warning]) -> Iterator[None]:
+    """Ignores one warning of Lightning's (by the start of its message) for the length of the block."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=message, category=category)
+    filters: list[Any] = warnings.filters  # type: ignore[assignment]
+    entry = filters[0]
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            filters.remove(entry)
+
+
+def set_sampler(loader: DataLoader[Any], sampler: Any) -> None:
+    """Replaces the sampler of a built ``DataLoader``, whose ``__setattr__`` refuses it after ``__init__``.
+
+    Lightning's own way (``_update_dataloader``) builds the loader anew, which loses what a subclass set up.
+    """
+    batches: Any = loader.batch_sampler
+    if batches is not None:
+        batches.sampler = sampler
+    object.__setattr__(loader, "sampler", sampler)
+
+
+def rebuild_loader(loader: DataLoader[Any], sampler: Any) -> DataLoader[Any]:
+    """Lightning's ``_update_dataloader``: the loader built again with ``sampler``, for custom batch samplers."""
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    rebuilt: DataLoader[Any] = _update_dataloader(loader, sampler)
+    return rebuilt
+
+
+# --------------------------------------------------------------------------------------- the loader extension
+# Lightning seeds a DataLoader's workers and checks its settings on the object the user gave it, and saves the state
+# of that same object, so a train loader keeps its identity while its iteration is extended for one fit: its class
+# gets a subclass placed in front (under the same name), and is given back at the end of the fit.
+
+Stage = Callable[[Iterator[Any]], Iterator[Any]]
+
+
+class Extension:
+    """What an extended loader runs: its stages, its length, and the state of what Lightning has consumed."""
+
+    def __init__(self) -> None:
+        self.stages: list[Stage] = []
+        self.length: Callable[[], int] | None = None
+        self.state: Callable[[], dict[str, Any] | None] | None = None  # a state of an earlier moment, or None
+
+
+def extend(loader: Any, stage: Stage | None = None, length: Callable[[], int] | None = None) -> Any:
+    """Runs ``loader``'s iteration through ``stage`` (after its earlier stages); ``length`` replaces its length.
+
+    Returns the same object for a ``DataLoader``, a wrapper for any other iterable; its ``_lw`` is the
+    :class:`Extension`.
+    """
+    if not isinstance(loader, (_Extended, _ExtendedIterable)):
+        if isinstance(loader, DataLoader):
+            loader._lw = Extension()
+            loader.__class__ = _extended_class(type(loader))
+        else:
+            loader = _ExtendedIterable(loader)
+    if stage is not None:
+        loader._lw.stages.append(stage)
+    if length is not None:
+        loader._lw.length = length
+    return loader
+
+
+def own_state(loader: Any) -> Callable[[], dict[str, Any]] | None:
+    """The extended loader's own ``state_dict`` (a ``StatefulDataLoader``'s), past the extension; ``None`` if none."""
+    if isinstance(loader, _Extended):
+        own = getattr(super(_Extended, loader), "state_dict", None)
+    else:
+        own = getattr(getattr(loader, "iterable", loader), "state_dict", None)
+    return own if callable(own) else None
+
+
+def restore(loader: Any) -> Any:
+    """Gives an extended ``DataLoader`` back its own class; returns what was extended (the wrapped iterable)."""
+    if isinstance(loader, _Extended):
+        loader.__class__ = type(loader).__mro__[2]  # the class `_extended_class` extended
+        del loader._lw
+        return loader
+    if isinstance(loader, _ExtendedIterable):
+        return loader.iterable
+    return loader
+
+
+def _run(extension: Extension, iterator: Iterator[Any]) -> Iterator[Any]:
+    for stage in extension.stages:
+        iterator = stage(iterator)
+    return iterator
+
+
+class _Extended(DataLoader[Any]):
+    _lw: Extension
+
+    def __len__(self) -> int:
+        return self._lw.length() if self._lw.length is not None else super().__len__()
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator over DataLoader's own iterator
+        return _run(self._lw, iter(super().__iter__()))
+
+
+def _state_dict(loader: Any) -> dict[str, Any]:
+    """The loader's state at the moment the extension names (what Lightning has consumed), else its own."""
+    earlier = loader._lw.state() if loader._lw.state is not None else None
+    return earlier if earlier is not None else super(_Extended, loader).state_dict()  # type: ignore[no-any-return]
+
+
+def _extended_class(cls: type[DataLoader[Any]]) -> type[DataLoader[Any]]:
+    if cls not in _EXTENDED:
+        namespace: dict[str, Any] = {"__module__": cls.__module__}
+        if hasattr(cls, "state_dict"):  # a StatefulDataLoader: Lightning saves the state of loaders with one
+            namespace["state_dict"] = _state_dict
+        _EXTENDED[cls] = type(cls.__name__, (_Extended, cls), namespace)
+    return _EXTENDED[cls]
+
+
+_EXTENDED: dict[type[DataLoader[Any]], type[DataLoader[Any]]] = {}
+
+
+class _ExtendedIterable:
+    """The same for a train "loader" that is not a ``DataLoader`` (any iterable Lightning accepts)."""
+
+    def __init__(self, iterable: Any) -> None:
+        self.iterable = iterable
+        self._lw = Extension()
+
+    def __len__(self) -> int:
+        return self._lw.length() if self._lw.length is not None else len(self.iterable)
+
+    def __iter__(self) -> Iterator[Any]:
+        return _run(self._lw, iter(self.iterable))
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self.__dict__["iterable"], name)
+        if name == "state_dict" and self._lw.state is not None:
+            state = self._lw.state
+            return lambda: state() or value()
+        return value
+
+
+# --------------------------------------------------------------------------------------- the exit settle
+# A gloo thread that completes a collective takes the GIL once more after waking the waiter, to release the work,
+# which holds the Python context of the code that launched it (a backward's bucket all-reduces included). A process
+# whose interpreter is finalizing by then aborts ("terminate called without an active exception", exit code -6,
+# after training finished; plain "ddp" too). While a process group exists, the exit first hands the GIL over.
+EXIT_SETTLE_S = 0.05
+
+
+def _settle_at_exit() -> None:
+    if dist.is_available() and dist.is_initialized():
+        time.sleep(EXIT_SETTLE_S)
+
+
+atexit.register(_settle_at_exit)

@@ -1,0 +1,301 @@
+"""Counts: reading and checking one, the count rule, and the one payload every rank sums once per window.
+
+Pure: nothing here touches ``torch.distributed`` or Lightning. A count is a host number (an ``int``/``float``, or a
+count taken ahead on the host) or a tensor, typically on the device; a tensor is checked and summed on its device and
+never read back here, so a count returned by ``training_step`` costs no device synchronisation.
+:mod:`lightning_weighted.window` states the objective the counts weight.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "FABRIC",
+    "TRAINER",
+    "Count",
+    "GlobalCount",
+    "Problem",
+    "Slot",
+    "Wording",
+    "count_rule",
+    "decode",
+    "imbalance",
+    "read_count",
+    "split_output",
+]
+
+MAX_ITEMS = 2.0**53  # a rank's items in one window stay below it, where float64 still counts single items
+
+
+class Problem(IntEnum):
+    """Why a microbatch's count (or loss) cannot be weighted."""
+
+    NEGATIVE = 1
+    NOT_FINITE = 2
+    NOT_A_NUMBER = 3
+    NOT_A_SCALAR = 4
+    NO_LOSS = 5
+    NO_GRAPH = 6
+    FRACTIONAL = 7
+    TOO_LARGE = 8
+    REDUCTION = 9
+    MISSING = 10
+    DISAGREES = 11
+
+
+@dataclass(frozen=True)
+class Wording:
+    """How count errors name the call that handed over a loss and its count, and the fix they give.
+
+    Attributes:
+        source: the call and its verb, as in ``"training_step returned"``.
+        fix: the sentence that says what a valid count is and where it goes.
+    """
+
+    source: str
+    fix: str
+
+
+TRAINER = Wording(
+    "training_step returned",
+    "Return `{'loss': local_mean, 'count': n}` from `training_step` (or count with `ItemCounter`), where `n` is"
+    " the number of valid items (or the sum of sample weights) behind `local_mean`: an int, a float or a 0-dim"
+    " tensor, finite and >= 0",
+)
+FABRIC = Wording(
+    "fabric.backward got",
+    "Pass each microbatch's count as `fabric.backward(loss, count=n)`, where `loss` is the mean over the"
+    " microbatch's `n` valid items (or their sum, with `reduction='sum'`) and `n` is their number (or the sum of"
+    " their sample weights): an int, a float or a 0-dim tensor, finite and >= 0",
+)
+_MESSAGES: dict[Problem, tuple[type[Exception], str]] = {
+    Problem.NEGATIVE: (ValueError, "a microbatch's count is negative ({value!r})"),
+    Problem.NOT_FINITE: (ValueError, "a microbatch's count is not finite ({value!r})"),
+    Problem.NOT_A_NUMBER: (TypeError, "a microbatch's count is not a number"),
+    Problem.NOT_A_SCALAR: (TypeError, "a microbatch's count is a tensor with more than one element"),
+    Problem.NO_LOSS: (RuntimeError, "{source} None instead of a loss"),
+    Problem.NO_GRAPH: (RuntimeError, "{source} a loss that is not attached to the graph"),
+    Problem.FRACTIONAL: (ValueError, "a microbatch's count of examples or tokens is fractional ({value!r})"),
+    Problem.TOO_LARGE: (
+        ValueError,
+        "the window's count reaches 2**53 ({value!r}), where one item no longer changes a float64 sum;"
+        " count in coarser units or rescale the sample weights",
+    ),
+    Problem.REDUCTION: (
+        ValueError,
+        "{source} a 'reduction' that is neither 'mean' nor 'sum'; use 'sum' with a loss summed over the"
+        " microbatch's items, or leave it out for a mean",
+    ),
+    Problem.MISSING: (TypeError, "{source} no count"),
+    Problem.DISAGREES: (
+        ValueError,
+        "{source} count={value!r}, which differs from the count ItemCounter took from the same batch; make them"
+        " agree (e.g. the causal shift, `ignore_index`), or drop one of them",
+    ),
+}
+_WITH_VALUE = (Problem.NEGATIVE, Problem.NOT_FINITE, Problem.FRACTIONAL, Problem.TOO_LARGE, Problem.DISAGREES)
+_KINDS = 16  # CODE = rank · _KINDS + problem
+
+
+@dataclass(frozen=True)
+class Count:
+    """One microbatch's count, checked.
+
+    Attributes:
+        value: the number of valid items (or the sum of sample weights): a float, or a float64 0-dim tensor on the
+            count's device (never read on the host); the offending value when invalid.
+        problem: why it cannot be weighted: a :class:`Problem`, ``None``, or for a tensor count a float64 0-dim
+            tensor holding the problem's number (0: valid).
+        implicit: the batch size was counted only because nothing gave a count.
+    """
+
+    value: float | Tensor
+    problem: Problem | Tensor | None = None
+    implicit: bool = False
+
+
+def read_count(value: object, integer: bool = False, host: bool = False) -> Count:
+    """Checks a count: on the host for a number, on its device for a tensor (nothing is read back).
+
+    Args:
+        value: an int, a float or a one-element tensor (``training_step``'s ``"count"``, a count function's result).
+        integer: whether the count must be a whole number (examples, tokens).
+        host: read a tensor on the host (a count taken from a batch before it moves to the device).
+
+    Example::
+
+        >>> read_count(3)
+        Count(value=3.0, problem=None, implicit=False)
+        >>> read_count(-2.5).problem
+        <Problem.NEGATIVE: 1>
+        >>> count = read_count(torch.tensor(-2))  # checked where it lives
+        >>> float(count.value), float(count.problem)
+        (-2.0, 1.0)
+    """
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            return Count(math.nan, Problem.NOT_A_SCALAR)
+        if value.dtype == torch.bool or value.is_complex():
+            return Count(math.nan, Problem.NOT_A_NUMBER)
+        if host:
+            return read_count(value.item(), integer)
+        tensor = value.detach().reshape(()).double()
+        checks = [(~torch.isfinite(tensor), Problem.NOT_FINITE), (tensor < 0, Problem.NEGATIVE)]
+        if integer and value.is_floating_point():
+            checks.append((tensor != tensor.floor(), Problem.FRACTIONAL))
+        problem = torch.zeros((), dtype=torch.float64, device=tensor.device)
+        for failed, kind in reversed(checks):  # the first failing check wins
+            problem = torch.where(failed, float(kind), problem)
+        return Count(tensor, problem)
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return Count(math.nan, Problem.NOT_A_NUMBER)
+    number = float(value)
+    if not math.isfinite(number):
+        return Count(number, Problem.NOT_FINITE)
+    if number < 0:
+        return Count(number, Problem.NEGATIVE)
+    if integer and not number.is_integer():
+        return Count(number, Problem.FRACTIONAL)
+    return Count(number)
+
+
+def split_output(output: object) -> tuple[Tensor | None, bool, Problem | None]:
+    """``(loss, is_item_sum, problem)`` of what ``training_step`` returned: a tensor or a dict with ``"loss"``.
+
+    ``{"reduction": "sum"}`` marks a loss summed over the microbatch's items (Hugging Face's
+    ``num_items_in_batch``, fairseq, Megatron); without it the loss is their mean.
+
+    Example::
+
+        >>> split_output({"loss": torch.tensor(6.0), "count": 3, "reduction": "sum"})
+        (tensor(6.), True, None)
+    """
+    if not isinstance(output, Mapping):
+        return (output if isinstance(output, Tensor) else None), False, None
+    loss = output.get("loss")
+    loss = loss if isinstance(loss, Tensor) else None
+    reduction = output.get("reduction", "mean")
+    if reduction not in ("mean", "sum"):
+        return loss, False, Problem.REDUCTION
+    return loss, reduction == "sum", None
+
+
+def count_rule(
+    output: object, batch: Any, batch_size: Callable[[Any], int], counter: tuple[object, bool] | None = None
+) -> Count:
+    """The one count rule: a ``"count"`` returned by ``training_step``, else a counter's, else the batch size.
+
+    Args:
+        output: what ``training_step`` returned (a dict with ``"count"``, or anything else).
+        batch: the microbatch, whose size is counted when nothing else gives a count.
+        batch_size: how the batch size is found (Lightning's ``extract_batch_size``).
+        counter: ``(count, integer)`` from :class:`~lightning_weighted.ItemCounter`, whose choice is explicit.
+
+    Example::
+
+        >>> count_rule({"loss": torch.tensor(1.0), "count": 5}, None, len)
+        Count(value=5.0, problem=None, implicit=False)
+        >>> count_rule(torch.tensor(1.0), [0, 0, 0, 0], len)  # a bare loss: examples
+        Count(value=4.0, problem=None, implicit=True)
+    """
+    if isinstance(output, Mapping) and "count" in output:
+        return read_count(output["count"])
+    if counter is not None:
+        return read_count(*counter)
+    return Count(float(batch_size(batch)), implicit=True)
+
+
+class Slot(IntEnum):
+    """The named fields of the float64 payload each rank contributes to the window's SUM, once per window.
+
+    float64 holds every integer up to 2**53 exactly, so item counts and weight sums stay exact; every field is a
+    value of its own, so a non-finite loss never touches the counts.
+    """
+
+    ITEMS = 0  # Σ_m n_m over this rank's window
+    NEXT = 1  # counted ahead: Σ_m n_m over this rank's next window
+    INVALID = 2  # 1 if this rank found a problem
+    CODE = 3  # rank · 16 + problem, decoded when exactly one rank reports
+    VALUE = 4  # the offending value
+    MORE = 5  # 1 if this rank holds real batches after this window
+    LOSS = 6  # Σ_m n_m · loss_m over this rank's window (the item sum, for a loss that is one)
+    UNCUT = 7  # 1 if a microbatch counted 0 on the device had a non-finite loss (its backward ran: see `loop`)
+
+
+WIDTH = len(Slot)
+
+
+@dataclass(frozen=True)
+class GlobalCount:
+    """The decoded SUM of every rank's payload: the same on every rank.
+
+    Attributes:
+        items: ``N``, the global item count of the window.
+        following: counted ahead: the next window's ``N``.
+        error: the one error every rank raises, or ``None``.
+        ranks_with_more: how many ranks hold real batches after this window.
+        loss_sum: ``Σ_r Σ_m n_rm · loss_rm``.
+        uncut: how many ranks backpropagated a non-finite loss whose count on the device was 0.
+    """
+
+    items: float
+    following: float
+    error: Exception | None
+    ranks_with_more: int
+    loss_sum: float
+    uncut: int = 0
+
+
+def decode(summed: Sequence[float], wording: Wording = TRAINER) -> GlobalCount:
+    """Turns the summed payload (indexed by :class:`Slot`) into ``N`` or one error, identical on every rank.
+
+    Example::
+
+        >>> decode([8.0, 0.0, 0.0, 0.0, 0.0, 2.0, 12.0, 0.0])
+        GlobalCount(items=8.0, following=0.0, error=None, ranks_with_more=2, loss_sum=12.0, uncut=0)
+        >>> decode([2.0, 0.0, 1.0, 16 + Problem.NEGATIVE, -3.0, 2.0, 0.0, 0.0]).error.args[0][:48]
+        "on rank 1, a microbatch's count is negative (-3."
+    """
+    invalid, more = round(summed[Slot.INVALID]), round(summed[Slot.MORE])
+    error: Exception | None = None
+    if invalid == 1:
+        rank, kind = divmod(round(summed[Slot.CODE]), _KINDS)
+        error_type, what = _MESSAGES[Problem(kind)]
+        what = what.format(value=summed[Slot.VALUE] if kind in _WITH_VALUE else None, source=wording.source)
+        error = error_type(f"on rank {rank}, {what}. {wording.fix}.")
+    elif invalid > 1:
+        error = ValueError(f"on {invalid} ranks, a microbatch's count or loss is invalid. {wording.fix}.")
+    uncut = round(summed[Slot.UNCUT])
+    return GlobalCount(summed[Slot.ITEMS], summed[Slot.NEXT], error, more, summed[Slot.LOSS], uncut)
+
+
+def code(rank: int, problem: Problem) -> float:
+    """The payload's ``CODE`` of ``problem`` found on ``rank``."""
+    return float(rank * _KINDS + problem)
+
+
+def reported_value(problem: Problem, value: float) -> float:
+    """The payload's ``VALUE`` of a problem: the offending value where the message quotes one."""
+    return value if problem in _WITH_VALUE else 0.0
+
+
+def imbalance(largest: float, items: float, ranks: int) -> float:
+    """``max_r P·n_r / N``: how much more weight the items of the rank with most get than plain DDP gives them.
+
+    Plain DDP's mean of per-rank means weighs them less than the global item mean does; 1 if ``N = 0``.
+
+    Example (the worked trace: 2 and 6 items)::
+
+        >>> imbalance(largest=6, items=8, ranks=2)
+        1.5
+    """
+    return ranks * largest / items if items > 0 else 1.0

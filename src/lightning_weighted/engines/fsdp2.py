@@ -1,0 +1,204 @@
+r"""FSDP2 (``fully_shard``): every ``FSDPModule`` SUM-reduces, and an empty microbatch reaches it as exact zeros.
+
+Each ``FSDPModule`` gets a divide factor of 1 with SUM-only reductions (:math:`D = 1`; no ``PREMUL_SUM``, which
+gloo lacks) and a reduce-scatter that zeroes a microbatch known to hold no item on its way in: its mean may be NaN
+(0/0), and its backward must still run, since its all-gathers and reduce-scatters are collectives every rank takes
+part in. Counts are summed over the data-parallel ranks only (replicate × shard with HSDP), never over
+tensor-parallel peers, which hold the same batch. The worked trace on 2 ranks, counted after: the SUM gives
+:math:`2 \cdot 1 + 6 \cdot 3 = 20` on every shard, times :math:`D c / N = 1/8`: 2.5.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_weighted._compat import flatten_mesh, fsdp2_param_groups, reduce_scatter
+
+__all__ = ["FP16_FIX", "FSDP2Engine", "data_parallel_group", "every_rank_data_parallel", "mesh_sizes", "shard_blocks"]
+
+FP16_FIX = (
+    "float16 cannot hold the item-sum gradients that are computed and reduced before the division by N. Compute"
+    " and reduce in bfloat16 or float32: `precision='bf16-mixed'` or 'bf16-true', FSDP2's"
+    " `MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`, FSDP1's"
+    " `MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`"
+)
+
+
+class FSDP2Engine:
+    """The engine of a module sharded with FSDP2, configured by the constructor (after ``fully_shard``).
+
+    Args:
+        module: the model after ``fully_shard`` (a ``LightningModule`` after ``configure_model``).
+        group: the data-parallel group the window's counts are summed over.
+
+    Raises:
+        ValueError: a trainable parameter is not sharded (its gradient would not be reduced), a module computes
+            or reduces in fp16 (item sums overflow it), or a module replicates without sharding (HSDP with a shard
+            dimension of size 1), whose reduction the zeroing cannot reach.
+    """
+
+    divisor = 1
+    mean_sized = False
+    needs_graph = True  # every backward runs the collectives of the sharded model
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self.module, self.group = module, group
+        self.zeroing = False  # while True, a local gradient on its way into a reduction becomes exact zeros
+        modules = [child for child in module.modules() if isinstance(child, FSDPModule)]
+        if not modules:
+            raise ValueError(
+                f"{type(module).__name__} holds no FSDP2 module: apply `torch.distributed.fsdp.fully_shard` in"
+                " `configure_model` (to each block, then to the whole model) so that its gradients are reduced."
+            )
+        _check_sharded(module)
+        names = {child: name for name, child in module.named_modules()}
+        for fsdp in modules:
+            groups = fsdp2_param_groups(fsdp)
+            for param_group in groups:
+                _check_dtypes(names[fsdp] or "(the root)", fsdp, param_group)
+            fsdp.set_gradient_divide_factor(1.0)
+            fsdp.set_force_sum_reduction_for_comms(True)
+            if groups:
+                fsdp.set_custom_reduce_scatter(_ZeroingReduceScatter(self))  # type: ignore[arg-type]
+            if any(_shards_over_one_rank(param_group) for param_group in groups):
+                fsdp.set_all_reduce_hook(self._zero)  # one rank: FSDP copies instead of reduce-scattering
+
+    def empty(self, loss: Tensor | None) -> Tensor:
+        """``0 · loss``, whose backward (NaN for a fully masked mean) reaches the reductions as exact zeros."""
+        assert loss is not None  # the loop refuses a step without a graph first (`needs_graph`)
+        self.zeroing = True
+        return loss.sum() * 0.0
+
+    def after_backward(self) -> None:
+        """Lets the reductions pass gradients through again."""
+        self.zeroing = False
+
+    def parameters(self) -> Iterable[Tensor]:
+        """The sharded module's parameters (DTensors, whose local shards hold this rank's gradients)."""
+        return self.module.parameters()
+
+    def _zero(self, tensor: Tensor) -> None:
+        if self.zeroing:
+            tensor.zero_()
+
+
+class _ZeroingReduceScatter:
+    """FSDP2's reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) with an empty microbatch's input zeroed."""
+
+    def __init__(self, engine: FSDP2Engine) -> None:
+        self.engine = engine
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A fresh buffer, as FSDP2's default reduce-scatter allocates one."""
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: Any, op: Any, async_op: bool = False) -> Any:
+        """Reduce-scatters ``input_tensor`` (this rank's unsharded gradients) into ``output_tensor``."""
+        self.engine._zero(input_tensor)
+        return reduce_scatter(output_tensor, input_tensor, group, op, async_op)
+
+
+def data_parallel_group(mesh: Any, dims: str | Sequence[str] = "data_parallel") -> dist.ProcessGroup:
+    """The process group of a device mesh's data-parallel dimensions: where a window's counts are summed.
+
+    ``dims`` is one dimension, or several (HSDP's ``("replicate", "shard")``), flattened into one group holding
+    every rank that sees different data. With Lightning's mesh of 2 data-parallel × 2 tensor-parallel ranks, rank
+    0's group is ranks {0, 2}.
+    """
+    names = (dims,) if isinstance(dims, str) else tuple(dims)
+    submesh = mesh[names[0]] if len(names) == 1 else flatten_mesh(mesh, names)
+    group: dist.ProcessGroup = submesh.get_group()
+    return group
+
+
+def every_rank_data_parallel(strategy: Any) -> None:
+    """Sets a ``ModelParallelStrategy``'s ``"auto"`` mesh sizes by :func:`mesh_sizes`, before it builds its mesh."""
+    world = strategy.num_nodes * strategy.num_processes
+    sizes = mesh_sizes(world, strategy._data_parallel_size, strategy._tensor_parallel_size)
+    strategy._data_parallel_size, strategy._tensor_parallel_size = sizes
+
+
+def mesh_sizes(world: int, data: int | Literal["auto"], tensor: int | Literal["auto"]) -> tuple[int, int]:
+    """``(data_parallel_size, tensor_parallel_size)``: every rank data-parallel unless told otherwise.
+
+    Lightning's own ``"auto"`` is one data-parallel rank per node; here it is what the other size leaves.
+
+    Example::
+
+        >>> mesh_sizes(8, "auto", "auto"), mesh_sizes(8, "auto", 2), mesh_sizes(8, 2, "auto")
+        ((8, 1), (4, 2), (2, 4))
+    """
+    if data == "auto":
+        data = world // (1 if tensor == "auto" else tensor)
+    return data, max(world // data, 1) if tensor == "auto" else tensor
+
+
+def shard_blocks(module: nn.Module, mesh: Any) -> nn.Module:
+    """``fully_shard`` each submodule that owns its trainable parameters alone, outermost first, then the root.
+
+    The default ``parallelize_fn`` of Fabric's ``"fsdp2_weighted"``, over ``mesh["data_parallel"]``. A submodule
+    sharing a parameter with another (tied embeddings: a Hugging Face model's ``wte`` and ``lm_head``) is not
+    sharded on its own, as torch requires: its submodules are, and the shared parameter stays with the root.
+    Containers (``ModuleList``, ``ModuleDict``) run no forward of their own, so their entries are sharded instead.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    owners: dict[int, list[str]] = {}
+    for name, submodule in module.named_modules(remove_duplicate=False):
+        for param in submodule.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(name)
+
+    def visit(prefix: str, parent: nn.Module) -> None:
+        for name, child in parent.named_children():
+            path = f"{prefix}{name}"
+            if not any(param.requires_grad for param in child.parameters()):
+                continue
+            alone = all(o == path or o.startswith(f"{path}.") for p in child.parameters() for o in owners[id(p)])
+            if alone and not isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                fully_shard(child, mesh=mesh["data_parallel"])
+            else:
+                visit(f"{path}.", child)
+
+    visit("", module)
+    fully_shard(module, mesh=mesh["data_parallel"])
+    return module
+
+
+def _check_sharded(module: nn.Module) -> None:
+    from torch.distributed.tensor import DTensor
+
+    plain = [name for name, p in module.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
+    if plain:
+        raise ValueError(
+            f"{len(plain)} trainable parameters are not sharded by FSDP2 (first: {plain[0]!r}), so their gradients"
+            " would not be reduced. Apply `fully_shard` to the module that holds them as well (usually the whole"
+            " model, after its blocks) in `configure_model`, or freeze them."
+        )
+
+
+def _check_dtypes(name: str, fsdp: nn.Module, group: Any) -> None:
+    policy = group.mp_policy
+    dtypes = {param.dtype for param in fsdp.parameters() if param.requires_grad}
+    if torch.float16 in (policy.reduce_dtype, policy.param_dtype, *dtypes):
+        raise ValueError(f"FSDP2 module {name!r} computes or reduces its gradients in float16: {policy}. {FP16_FIX}.")
+
+
+def _shards_over_one_rank(group: Any) -> bool:
+    """Whether FSDP2 copies instead of reduce-scattering this group's gradients (it shards over one rank)."""
+    mesh_info = group.mesh_info
+    if getattr(mesh_info, "shard_mesh_size", 1) > 1:
+        return False
+    if getattr(mesh_info, "replicate_mesh_size", 1) > 1:
+        raise ValueError(
+            "An FSDP2 module replicates its parameters over a mesh without sharding them (a shard dimension of"
+            " size 1): its gradients are all-reduced where an empty microbatch's cannot be zeroed. Shard over at"
+            " least 2 ranks, or use strategy='ddp_weighted' for pure data parallelism."
+        )
+    return True

@@ -1,0 +1,257 @@
+"""What every weighted Fabric strategy adds to its Fabric strategy: ``fabric.backward(loss, count=n)`` into the loop."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.utilities.types import Optimizable
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_weighted.counts import FABRIC, read_count
+from lightning_weighted.data import Participation, Policy, Replicas, participating, without_padding
+from lightning_weighted.engines import Engine
+from lightning_weighted.loop import WindowLoop
+from lightning_weighted.window import WindowResult
+
+__all__ = ["FabricLoader", "WeightedFabricStrategy"]
+
+
+class WeightedFabricStrategy(ParallelStrategy):
+    """The hooks of a weighted Fabric strategy, each a call into one :class:`~lightning_weighted.loop.WindowLoop`.
+
+    A strategy puts it before its Fabric strategy (``class S(WeightedFabricStrategy, DDPStrategy)``), builds its
+    engine when the model is set up (:meth:`_start`), and says whether a backward syncs (:meth:`_syncs`) and how to
+    keep a syncing backward local (:meth:`_local`).
+
+    Attributes:
+        skipped_steps: windows whose global ``N`` was 0 (their ``optimizer.step()`` calls are skipped).
+        padding_step: the batch in progress is a replay of a rank whose data ran out (it counts 0).
+        last_window: the result of the last window.
+    """
+
+    strategy_name: str
+
+    def __init__(self, *args: Any, participation: Policy = "pad", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        Participation(participation)  # checks the policy now, where the user passed it
+        self._policy: Policy = participation
+        self._loop: WindowLoop | None = None
+        self._participation: Participation | None = None  # of the loader that gave the current batch
+        self._padding = False
+        self._windows = 0  # windows ended so far
+        self._skip_step = False  # the last window had no item: optimizer steps change nothing
+        self.backwards = 0  # fabric.backward calls so far
+
+    @property
+    def skipped_steps(self) -> int:
+        return self._loop.skipped_steps if self._loop is not None else 0
+
+    @property
+    def padding_step(self) -> bool:
+        return self._padding
+
+    @property
+    def last_window(self) -> WindowResult | None:
+        return self._loop.last_window if self._loop is not None else None
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = dict(super().distributed_sampler_kwargs or {})
+        kwargs["num_replicas"] = Replicas(kwargs["num_replicas"])  # marks the sampler Fabric inserts
+        return kwargs
+
+    def _start(self, engine: Engine) -> None:
+        """Builds the loop over the engine of the model just set up (one model per strategy)."""
+        if self._loop is not None:
+            raise RuntimeError(
+                f"{type(self).__name__} weights the gradients of one model, and a second one was set up. Set up"
+                " the trained modules as one `nn.Module` (a container of both)."
+            )
+        self._loop = WindowLoop(engine, self.root_device, FABRIC, self.strategy_name, _SKIPPED)
+
+    def _syncs(self) -> bool:
+        """Whether the coming backward reduces gradients across ranks (it does not inside ``no_backward_sync``)."""
+        raise NotImplementedError
+
+    def _local(self, backward: Any) -> Any:
+        """Runs ``backward()`` keeping its gradients local although it would sync: it does not end the window."""
+        return backward()
+
+    @override
+    def backward(
+        self,
+        tensor: Tensor,
+        module: Module | None,
+        *args: Any,
+        count: object = None,
+        reduction: Literal["mean", "sum"] = "mean",
+        window_end: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """``fabric.backward(loss, count=n)``: backpropagates ``loss`` weighted by its count within the window.
+
+        Args:
+            tensor: the microbatch's mean over its ``count`` valid items (their sum with ``reduction="sum"``).
+            module: what Fabric passes (the module given as ``model=``, or ``None``).
+            *args: passed on to the precision plugin's backward.
+            count: the number of valid items (or the sum of sample weights): an int, a float or a 0-dim tensor,
+                finite and ``>= 0``; an invalid or missing one raises on every rank when the window ends.
+            reduction: ``"mean"`` or ``"sum"``, what ``tensor`` is over the items.
+            window_end: whether this backward ends the window; by default the one outside
+                ``fabric.no_backward_sync(model)`` does (``False`` keeps a syncing backward local).
+            **kwargs: passed on to the precision plugin's backward.
+        """
+        loop = self._loop
+        if loop is None:
+            raise RuntimeError(
+                "fabric.backward ran before a model was set up: call `model, optimizer = fabric.setup(model,"
+                " optimizer)` first."
+            )
+        syncs = self._syncs()
+        ends = _ends_window(syncs, window_end, reduction)
+        if not loop.open:
+            self._skip_step = False
+        self.backwards += 1
+        loop.padding_step = self._padding
+        loop.add(tensor, None if count is None else read_count(count), reduction == "sum")
+        tensor = loop.scaled(tensor)
+        if ends:
+            loop.end()
+        try:
+            if syncs and not ends:
+                self._local(lambda: super(WeightedFabricStrategy, self).backward(tensor, module, *args, **kwargs))
+            else:
+                super().backward(tensor, module, *args, **kwargs)
+        finally:
+            loop.engine.after_backward()
+        if ends:
+            participation = self._participation
+            loop.participation = participation
+            result = loop.finish(self._windows)
+            self._windows += 1
+            self._skip_step = result.items == 0
+
+    @override
+    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
+        self._check_closed("optimizer.step()")
+        if self._skip_step:
+            return None  # a window without items: no parameter, no optimizer state changes
+        return super().optimizer_step(optimizer, **kwargs)
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        self._check_closed("fabric.clip_gradients")
+        return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+
+    @override
+    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        self._check_closed("fabric.clip_gradients")
+        super().clip_gradients_value(module, optimizer, clip_val)
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        # Each item once per epoch (no padding sampler); where the ranks' batch counts differ, every rank yields
+        # batches until every rank is done. A loader with as many batches everywhere is left as it is.
+        participation = Participation(self._policy)
+        loader = participating(without_padding(dataloader), participation, self.root_device)
+        return FabricLoader(loader, participation, self) if participation.replays else loader
+
+    @override
+    def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        # an integer mean floors: taken in float64 (see the Trainer strategies' `reduce`)
+        if isinstance(tensor, Tensor) and not tensor.is_floating_point() and str(reduce_op).lower() in ("mean", "avg"):
+            tensor = tensor.double()
+        return super().all_reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[safe-super]
+
+    def begin_batch(self, participation: Participation | None, replay: bool) -> None:
+        """Called by a set-up loader as it yields a batch (whether it is a replay), and with ``None`` at its end."""
+        self._participation, self._padding = participation, replay
+
+    def _check_closed(self, what: str) -> None:
+        if self._loop is not None and self._loop.open:
+            raise RuntimeError(
+                f"{what} was called while a window is open: the last `fabric.backward` did not end it (it ran inside"
+                " `fabric.no_backward_sync(model)` or with `window_end=False`), so the gradients are this rank's own."
+                " Run the window's last backward outside `no_backward_sync` (or with `window_end=True`) before"
+                " clipping and stepping."
+            )
+
+
+_SKIPPED = (
+    "the optimizer steps after it change nothing. A loop that steps an LR scheduler can skip it when"
+    " `fabric.strategy.last_window.items == 0`."
+)
+
+
+def _ends_window(syncs: bool, window_end: bool | None, reduction: str) -> bool:
+    """Whether a backward ends its window; refuses arguments that cannot be weighted."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(
+            f"fabric.backward got reduction={reduction!r}: pass 'mean' when the loss is the mean over the"
+            " microbatch's valid items (the default), or 'sum' when it is their sum."
+        )
+    if window_end and not syncs:
+        raise RuntimeError(
+            "fabric.backward(..., window_end=True) ran inside `fabric.no_backward_sync(model)`, which keeps this"
+            " backward from synchronizing gradients, so it cannot end the window. Run the window's last microbatch"
+            " outside the context (with `enabled=False`), or leave `window_end` out."
+        )
+    return syncs if window_end is None else window_end
+
+
+class FabricLoader:
+    """Yields a rank's batches until every rank is done; an exhausted rank replays a batch, counted as 0.
+
+    ``fabric.setup_dataloaders`` returns it (inside Fabric's own wrapper) under a weighted strategy where the ranks'
+    batch counts differ. Each batch it yields is marked with its position, and the strategy learns whether it is a
+    replay (``padding_step``). An epoch ends where :func:`~lightning_weighted.data.participating` says: a sized
+    loader after the longest rank's last batch; an unsized one at the first window end where no rank has data
+    left, or, in a loop that runs no backward between its batches (evaluation), where this rank's own data ends, as
+    with plain Fabric. Attributes (``sampler``, ``batch_sampler``, ...) are the wrapped loader's, so Fabric's
+    ``set_epoch`` calls reach its sampler.
+    """
+
+    def __init__(self, loader: Any, participation: Participation, strategy: WeightedFabricStrategy) -> None:
+        self.loader, self.participation, self.strategy = loader, participation, strategy
+        try:
+            self.sized = len(loader) >= 0
+        except (TypeError, NotImplementedError):
+            self.sized = False
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        loader = self.__dict__.get("loader")
+        if loader is None:
+            raise AttributeError(name)
+        return getattr(loader, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        state, strategy = self.participation, self.strategy
+        backwards = -1  # the strategy's backward count when the previous batch was yielded
+        try:
+            for index, batch in enumerate(self.loader):
+                if state.stop:
+                    return  # every rank is out of data: the window that ended says so on every rank
+                replay = state.begin_batch(index)
+                if replay and not self.sized and strategy.backwards == backwards:
+                    return  # an unsized loader in a loop without backward (evaluation): no window ends its epoch
+                strategy.begin_batch(state, replay)
+                backwards = strategy.backwards
+                yield batch
+        finally:
+            strategy.begin_batch(None, replay=False)

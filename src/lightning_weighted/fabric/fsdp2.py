@@ -1,0 +1,105 @@
+"""``WeightedFabricModelParallelStrategy``: FSDP2 for Fabric loops, whose update is the global item mean's gradient."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
+from torch.nn import Module
+from typing_extensions import override
+
+from lightning_weighted._compat import BackwardSyncControl, StrategyRegistry
+from lightning_weighted.data import Policy
+from lightning_weighted.engines.fsdp2 import FSDP2Engine, data_parallel_group, every_rank_data_parallel, shard_blocks
+from lightning_weighted.fabric._strategy import WeightedFabricStrategy
+
+__all__ = ["WeightedFabricModelParallelStrategy"]
+
+
+class WeightedFabricModelParallelStrategy(WeightedFabricStrategy, ModelParallelStrategy):
+    """Fabric's FSDP2 (``ModelParallelStrategy``), optimising the mean over every valid item of each window.
+
+    The loop is :class:`~lightning_weighted.WeightedFabricDDPStrategy`'s, with its rules (``fabric.backward(loss,
+    count=n)``, windows ended by the backward outside ``fabric.no_backward_sync`` or marked with ``window_end=``,
+    empty microbatches and windows, errors on every rank, uneven data); the update is the one stated in
+    :mod:`lightning_weighted.window`. Set the model up before creating its optimizer (``model =
+    fabric.setup_module(model)``, then ``fabric.setup_optimizers(...)`` over ``model.parameters()``).
+
+    Every FSDP module SUM-reduces on every microbatch, also inside ``no_backward_sync``, which here only marks the
+    window: an empty microbatch's gradient (NaN for a fully masked mean) is zeroed on its way into its
+    reduce-scatter, which a gradient accumulated unsharded over the window would not allow, and no unsharded
+    gradient is held between microbatches. The local gradient shards are multiplied by ``1 / N`` at the end of the
+    window's last backward (see :mod:`lightning_weighted.engines.fsdp2`).
+
+    Args:
+        *args: ``ModelParallelStrategy``'s arguments; ``parallelize_fn`` (``fn(module, device_mesh) -> module``)
+            defaults to :func:`~lightning_weighted.engines.fsdp2.shard_blocks`, which also shards models with tied
+            parameters. ``data_parallel_size`` defaults to the world size divided by ``tensor_parallel_size``.
+        participation: ``"pad"`` lets a rank whose data ran out step with count 0 until every rank is done;
+            ``"strict"`` raises instead (see :mod:`lightning_weighted.data`).
+        **kwargs: ``ModelParallelStrategy``'s keyword arguments.
+
+    Example::
+
+        >>> import lightning_weighted
+        >>> from lightning.fabric import Fabric
+        >>> fabric = Fabric(strategy="fsdp2_weighted", accelerator="cpu", devices=1)
+        >>> type(fabric.strategy).__name__
+        'WeightedFabricModelParallelStrategy'
+    """
+
+    strategy_name = "fsdp2_weighted"
+
+    def __init__(self, *args: Any, participation: Policy = "pad", **kwargs: Any) -> None:
+        if not args:
+            kwargs.setdefault("parallelize_fn", shard_blocks)
+        super().__init__(*args, participation=participation, **kwargs)
+        self._backward_sync_control = _MarkWindow(self)
+        self._accumulating = False  # inside `fabric.no_backward_sync(model)`
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
+        strategy_registry.register(
+            "fsdp2_weighted",
+            cls,
+            description="Count-weighted FSDP2 (ModelParallelStrategy) for Fabric, data-parallel over every rank",
+            override=True,  # importing twice leaves the registry as it was
+        )
+
+    @override
+    def setup_environment(self) -> None:
+        every_rank_data_parallel(self)
+        super().setup_environment()
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        module = super().setup_module(module)
+        self._start(FSDP2Engine(module, data_parallel_group(self.device_mesh)))
+        return module
+
+    @contextlib.contextmanager
+    def accumulating(self, enabled: bool = True) -> Iterator[None]:
+        """What ``fabric.no_backward_sync(model, enabled)`` does here: marks backwards that do not end the window."""
+        previous, self._accumulating = self._accumulating, enabled
+        try:
+            yield
+        finally:
+            self._accumulating = previous
+
+    @override
+    def _syncs(self) -> bool:
+        return not self._accumulating
+
+
+class _MarkWindow(BackwardSyncControl):
+    """``fabric.no_backward_sync`` under ``fsdp2_weighted``: marks the window, keeps each microbatch's reduction."""
+
+    def __init__(self, strategy: WeightedFabricModelParallelStrategy) -> None:
+        self.strategy = strategy
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> contextlib.AbstractContextManager[None]:
+        return self.strategy.accumulating(enabled)

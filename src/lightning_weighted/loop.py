@@ -1,0 +1,329 @@
+r"""The loop of windows of one fit or one Fabric loop: a microbatch in, its loss factor out, one exchange per window.
+
+The Trainer and Fabric integrations drive one :class:`WindowLoop` each, and hold no window rule of their own:
+
+1. :meth:`WindowLoop.add` (or :meth:`~WindowLoop.add_output`, for what ``training_step`` returned) records a
+   microbatch's loss and count in the window (:mod:`lightning_weighted.window`) and keeps its loss factor;
+2. :meth:`WindowLoop.scaled` is the loss to backpropagate: times the factor, or the engine's exact zero;
+3. :meth:`WindowLoop.end` starts the window's one exchange right before the backward that ends it: an asynchronous
+   float64 SUM of every rank's payload (:class:`~lightning_weighted.counts.Slot`) over the data-parallel ranks,
+   which overlaps that backward;
+4. :meth:`WindowLoop.finish`, after it, waits for the SUM; where the counts came after the forwards it multiplies
+   the reduced gradients by :math:`D c / N` on the device (one fused pass), then reads the SUM on the host, the
+   step's one read of a device value, and decides, the same on every rank: the error, or the step, or no step at
+   all where :math:`N = 0` (every gradient dropped, so no optimizer changes a parameter or its state).
+
+Counts ahead (:class:`Planner`): each window's counts are taken from its batches before its first forward, so
+every factor is :math:`D n / N` and nothing is multiplied afterwards; the exchange carries the next window's counts,
+whose :math:`N` reaches the host with the read. An epoch's first window sums its own with one all-reduce at its
+first batch, whose result stays on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+
+from lightning_weighted._compat import multiply
+from lightning_weighted.counts import WIDTH, Count, Problem, Slot, Wording, count_rule, read_count, split_output
+from lightning_weighted.data import Lookahead, Participation
+from lightning_weighted.engines import Engine
+from lightning_weighted.window import Window, WindowResult
+
+__all__ = ["Planner", "WindowLoop"]
+
+
+_SKIPPED = "the optimizer and step-interval LR schedulers were not stepped."
+
+
+class Planner:
+    """Counts ahead: plans each window from the counts of its batches, which a :class:`~.data.Lookahead` takes.
+
+    Args:
+        lookahead: the train loader's lookahead.
+        size_at: how many batches the window that would start at a given ``batch_idx`` holds.
+        divisor: :math:`D` of the engine.
+        group: the ranks the counts are summed over.
+        device: where the gradients live.
+    """
+
+    def __init__(
+        self,
+        lookahead: Lookahead,
+        size_at: Callable[[int], int],
+        divisor: int,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+    ) -> None:
+        self.lookahead, self.size_at, self.divisor, self.group, self.device = lookahead, size_at, divisor, group, device
+        self.window: Window | None = None  # the window in progress, its N known
+        self.count = Count(0.0)  # the planned count of the batch in progress
+        self._batch_idx = 0
+        self._epoch = 0  # the loader pass `window` belongs to
+        self._following = False  # whether the next window was planned at this window's end
+
+    def begin_batch(self, batch_idx: int) -> Window:
+        """Takes the count of the batch about to be trained; returns its window (planned now at an epoch's first)."""
+        self.count, self._batch_idx = self.lookahead.advance(), batch_idx
+        if self.window is None or self._epoch != self.lookahead.epoch:
+            counts = [self.count, *self.lookahead.ahead(self.size_at(batch_idx) - 1)]
+            total = torch.tensor([_items(counts)], dtype=torch.float64, device=self.device)
+            dist.all_reduce(total, group=self.group)  # on a GPU the stream waits, not the host
+            self.window, self._epoch = Window(total=total[0], divisor=self.divisor), self.lookahead.epoch
+        return self.window
+
+    def plan_following(self) -> float:
+        """Plans the window after the one in progress, at its last microbatch; returns this rank's items in it."""
+        size = self.size_at(self._batch_idx + 1)
+        counts = self.lookahead.ahead(size) if size > 0 else []
+        self._following = bool(counts)
+        return _items(counts)
+
+    def received(self, total: float) -> None:
+        """Takes the next window's ``N`` from the exchange that ended the window in progress."""
+        self.window = Window(total=total, divisor=self.divisor) if self._following else None
+        self._following = False
+
+
+class WindowLoop:
+    """The windows of one fit or one Fabric loop, over one engine (see the module docstring).
+
+    Args:
+        engine: how the engine's reduction meets the counts (:mod:`lightning_weighted.engines`).
+        device: where the gradients live.
+        wording: how errors name the call that handed over the loss and its count.
+        name: the strategy's name, for messages.
+        skipped: what rank 0's warning says of a window without items.
+
+    Attributes:
+        participation: the train loader's epoch, where ranks may run out of data (``None``: every rank has data).
+        planner: counts ahead, when the batches are counted before their forward.
+        last_window: the result of the last window.
+        skipped_steps: how many windows had no item (``N = 0``) and changed nothing.
+        padding_step: the microbatch in progress is a replay of an exhausted rank (it counts 0).
+    """
+
+    def __init__(
+        self, engine: Engine, device: torch.device, wording: Wording, name: str, skipped: str = _SKIPPED
+    ) -> None:
+        self.engine, self.device, self.wording, self.name, self.skipped = engine, device, wording, name, skipped
+        self.rank, self.ranks = dist.get_rank(engine.group), dist.get_world_size(engine.group)
+        self.participation: Participation | None = None
+        self.planner: Planner | None = None
+        self.last_window: WindowResult | None = None
+        self.skipped_steps = 0
+        self.padding_step = False
+        self.factor: float | Tensor = 0.0  # the loss factor of the microbatch in progress
+        self._window: Window | None = None
+        self._exchange: tuple[Tensor, Any] | None = None
+        # c of the next window counted after: 1, or the size of one microbatch's count where losses stay mean-sized
+        self._reference: float | Tensor | None = None if engine.mean_sized else 1.0
+        self._microbatches = 0
+
+    @property
+    def counts_ahead(self) -> bool:
+        """Whether each window's counts are taken from its batches before its first forward."""
+        return self.planner is not None
+
+    @property
+    def open(self) -> bool:
+        """Whether a window has microbatches that no exchange has ended yet."""
+        return self._window is not None
+
+    def begin_batch(self, batch_idx: int) -> None:
+        """Notes the next batch of the train loader: whether it is a replay, and (counts ahead) its window."""
+        participation = self.participation
+        self.padding_step = participation is not None and participation.begin_batch(batch_idx)
+        if self.planner is not None:
+            self._window = self.planner.begin_batch(batch_idx)
+
+    def add_output(self, output: Any, batch: Any, batch_size: Callable[[Any], int], counter: Any = None) -> Any:
+        """Records what ``training_step`` returned for ``batch``; returns what Lightning should take instead.
+
+        ``counter`` (an :class:`~lightning_weighted.ItemCounter`) counts the batch where nothing was counted ahead
+        and ``training_step`` returned no ``"count"``; counted ahead, a returned ``"count"`` must agree.
+        """
+        loss, item_sum, problem = split_output(output)
+        if loss is None and not self.padding_step:
+            self.add(None, None, False)
+            return {"loss": self._refused(None)}  # Lightning proceeds; every rank raises at the window's end
+        if self.planner is not None:
+            count: Count | None = _agreed(output, self.planner.count)
+        else:
+            counted = None if counter is None else (counter.count_of(batch), counter.integer)
+            count = count_rule(output, batch, batch_size, counted)
+        self.add(loss, count, item_sum, problem)
+        return output
+
+    def add(self, loss: Tensor | None, count: Count | None, item_sum: bool, problem: Problem | None = None) -> None:
+        """Records one microbatch's loss and count; :attr:`factor` is then its loss factor."""
+        if self._reference is None:
+            self._reference = self._first_reference(None if self.padding_step else count)
+        window = self.window()
+        self._microbatches += 1
+        self.factor = 0.0
+        if self.padding_step:
+            return  # a replay of an exhausted rank contributes nothing
+        if problem is None:
+            problem = Problem.NO_LOSS if loss is None else Problem.NO_GRAPH if loss.grad_fn is None else None
+        if problem is None and count is None:
+            problem = Problem.MISSING
+        if problem is not None or count is None:
+            window.reject(problem or Problem.MISSING)
+            return
+        self.factor = window.add(count, loss, item_sum)
+
+    def window(self) -> Window:
+        """The window in progress (a new one, counted after, where none is)."""
+        if self._window is None:
+            self._window = Window(1.0 if self._reference is None else self._reference)
+        return self._window
+
+    def scaled(self, loss: Tensor, multiplier: float = 1.0) -> Tensor:
+        """The loss to backpropagate: ``loss · factor · multiplier``, or the engine's exact zero for a factor 0."""
+        factor = self.factor
+        if isinstance(factor, Tensor):  # a count on the device: never compared on the host
+            return loss * (factor * multiplier)
+        if factor == 0:
+            return self._refused(loss) if loss.grad_fn is None else self.engine.empty(loss)
+        scale = factor * multiplier
+        return loss if scale == 1 else loss * scale
+
+    def end(self) -> None:
+        """Starts the window's exchange; runs right before the backward that ends the window (once per window)."""
+        if self._exchange is not None:
+            return
+        more = self.participation is None or self.participation.has_more()
+        following = self.planner.plan_following() if self.planner is not None else 0.0
+        payload = self.window().payload(self.rank, more, self.device, following)
+        vector = torch.cat([payload, payload[Slot.ITEMS : Slot.ITEMS + 1]])  # this rank's items, read along
+        work = dist.all_reduce(vector[:WIDTH], group=self.engine.group, async_op=True)
+        self._exchange = (vector, work)
+
+    def finish(self, step: int, backward: bool = True) -> WindowResult:
+        """Ends the window after its last backward: brings ``N`` to the gradients and decides, on every rank alike.
+
+        Args:
+            step: the optimizer step the window ends at.
+            backward: whether the window ran a backward (a step that only recomputes statistics runs none, and its
+                gradients are left as they are).
+
+        Returns:
+            The window's result; ``items == 0`` means the step must change nothing.
+        """
+        self.end()
+        window, self._window = self.window(), None
+        assert self._exchange is not None
+        (vector, work), self._exchange = self._exchange, None
+        work.wait()  # on a GPU the stream waits, not the host
+        if backward and not window.ahead:
+            items = vector[Slot.ITEMS]
+            scale = torch.where(items > 0, (self.engine.divisor * window.reference) / items, 0.0)
+            _multiply(self.engine.parameters(), scale)
+        values: list[float] = vector.tolist()  # the one read of the step
+        result = self.last_window = window.finish(values, step, self.wording, self.ranks)
+        if self.participation is not None:
+            self.participation.after_window(result.ranks_with_more, self.device, self.engine.group)
+        if self.planner is not None:
+            self.planner.received(result.following)
+        if result.uncut and result.items > 0 and backward:
+            self._check_uncut(result)
+        if self.engine.mean_sized and result.items > 0:
+            self._reference = result.items / (self.ranks * max(self._microbatches, 1))
+        self._microbatches = 0
+        if result.items > 0 or not backward:
+            return result
+        for param in self.engine.parameters():
+            param.grad = None  # without gradients no torch optimizer touches a parameter or its state
+        self.skipped_steps += 1
+        rank_zero_warn(f"The global item count of the window ending at step {step} is 0: {self.skipped}")
+        return result
+
+    def _first_reference(self, count: Count | None) -> Tensor:
+        """C of the first window of mean-sized losses: the largest first count over the ranks (one all-reduce, once).
+
+        Later windows take c from the window before, known on the host by then.
+        """
+        first = torch.zeros((), dtype=torch.float64, device=self.device)
+        if count is not None and not isinstance(count.problem, Problem):
+            first = first + count.value
+            if isinstance(count.problem, Tensor):  # a count on the device, checked there
+                first = torch.where(count.problem == 0, first, 0.0)
+        dist.all_reduce(first, op=dist.ReduceOp.MAX, group=self.engine.group)
+        return torch.where(first > 0, first, 1.0)
+
+    def _check_uncut(self, result: WindowResult) -> None:
+        """Raises on every rank where a microbatch counted 0 on the device put non-finite values into the gradients.
+
+        Its count stayed on the device, so its loss was multiplied by 0 rather than cut out of the graph: exact for
+        a loss whose gradient is finite where nothing is counted (PyTorch's losses with ``ignore_index`` or weights
+        are), NaN for a mean that divides by the count (0/0).
+        """
+        flag = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for param in self.engine.parameters():
+            grad = param.grad
+            if grad is not None:
+                local = grad.to_local() if hasattr(grad, "to_local") else grad
+                flag += (~torch.isfinite(local)).any()
+        dist.all_reduce(flag, group=self.engine.group)
+        if flag.item() == 0:
+            return
+        raise RuntimeError(
+            f"On {result.uncut} rank(s), a microbatch whose count is 0 has a non-finite loss (the mean of a fully"
+            " masked batch, 0/0), and its backward put NaN into the gradients; nothing was stepped. Its count was a"
+            " tensor, which the strategy does not read on the host (a device synchronisation), so it multiplied the"
+            " loss by 0 instead of cutting it out of the graph. Make the mean finite where nothing is counted"
+            " (divide by `n.clamp(min=1)`, or use `F.cross_entropy(..., ignore_index=-100)`, whose gradient is then"
+            " 0), return the count as a Python number, or count with `ItemCounter`."
+        )
+
+    def _refused(self, loss: Tensor | None) -> Tensor:
+        """A zero loss for a microbatch that cannot be weighted; raises where the engine needs the model's graph."""
+        if self.engine.needs_graph:
+            what = "None" if loss is None else "a loss that is not attached to the graph"
+            raise RuntimeError(
+                f"On rank {dist.get_rank()}, {self.wording.source} {what}. Under {self.name} every rank runs each"
+                " microbatch's backward through the sharded model, whose collectives the other ranks wait in: give"
+                " the loss of the model's forward (with a count of 0 for a microbatch that holds no item)."
+            )
+        return self.engine.empty(loss)
+
+
+def _agreed(output: Any, planned: Count) -> Count:
+    """The planned count, checked against a ``"count"`` that ``training_step`` still returns (they must agree)."""
+    if not isinstance(output, Mapping) or "count" not in output or planned.problem is not None:
+        return planned
+    returned = read_count(output["count"])
+    if isinstance(returned.problem, Problem):
+        return returned
+    if isinstance(returned.value, Tensor):
+        assert isinstance(returned.problem, Tensor)
+        differs = (returned.value != planned.value) & (returned.problem == 0)
+        problem = torch.where(differs, float(Problem.DISAGREES), returned.problem)
+        return Count(torch.where(problem > 0, returned.value, float(planned.value)), problem)
+    return planned if returned.value == planned.value else Count(returned.value, Problem.DISAGREES)
+
+
+def _items(counts: Iterable[Count]) -> float:
+    """The items of valid planned counts (a host count each)."""
+    return sum(c.value for c in counts if c.problem is None and isinstance(c.value, float))
+
+
+def _multiply(parameters: Iterable[Tensor], factor: Tensor) -> None:
+    """Multiplies every local gradient (a shard, for a sharded parameter) by ``factor``, one fused pass per dtype."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for param in parameters:
+        grad = param.grad
+        if grad is None:
+            continue
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        if local.numel():
+            groups.setdefault((local.device, local.dtype), []).append(local)
+    with torch.no_grad():
+        for grads in groups.values():
+            multiply(grads, factor)

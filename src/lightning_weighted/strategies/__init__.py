@@ -1,7 +1,0 @@
-"""Lightning Trainer strategies: each wires the window core into one engine's reduction."""
-
-from lightning_weighted.strategies.ddp import WeightedDDPStrategy
-from lightning_weighted.strategies.fsdp import AnyDeviceFSDPStrategy, WeightedFSDPStrategy
-from lightning_weighted.strategies.model_parallel import WeightedModelParallelStrategy
-
-__all__ = ["AnyDeviceFSDPStrategy", "WeightedDDPStrategy", "WeightedFSDPStrategy", "WeightedModelParallelStrategy"]

@@ -1,0 +1,131 @@
+"""``WeightedDDPStrategy``: DDP whose update is the gradient of the global item mean of each optimizer step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from typing_extensions import override
+
+from lightning_weighted._compat import StrategyRegistry, augment_message, join_enabled
+from lightning_weighted.data import Policy
+from lightning_weighted.engines import Engine
+from lightning_weighted.engines.ddp import DDPEngine, fp16_backward
+from lightning_weighted.trainer._strategy import WeightedTrainerStrategy
+
+__all__ = ["LAUNCHERS", "WeightedDDPStrategy", "register_launchers"]
+
+
+class WeightedDDPStrategy(WeightedTrainerStrategy, DDPStrategy):
+    """DDP that optimises the mean over every valid item of each optimizer step, on every rank and microbatch.
+
+    ``training_step`` returns ``{"loss": local_mean, "count": n}``: the mean loss over the ``n`` valid items of
+    the microbatch (examples, unmasked tokens, or the sum of sample weights) and ``n`` itself, an int, a float
+    or a 0-dim tensor, finite and ``>= 0``; ``"reduction": "sum"`` marks a loss summed over the items instead.
+    A bare loss, or a dict without ``"count"``, counts examples (the batch size) unless an
+    :class:`~lightning_weighted.ItemCounter` counts. The synchronized gradient is then the one stated in
+    :mod:`lightning_weighted.window`, whatever the counts on each rank and the number of microbatches in the
+    window; Lightning's division by ``accumulate_grad_batches`` is undone.
+
+    DDP's own reducer averages the gradients, and the strategy's one exchange per window (a float64 all-reduce of
+    a few values, started before the backward that syncs) brings every rank the window's counts
+    (:mod:`lightning_weighted.loop`): with an ``ItemCounter`` counting the batches ahead each loss is scaled by
+    ``P n / N`` before its backward; otherwise the reduced gradients are multiplied by ``P c / N`` in one pass.
+    A communication hook of your own (``ddp_comm_hook``) must average over the ranks, as torch's do.
+
+    - A microbatch with ``n = 0`` contributes exactly zero, also when its mean is NaN (0/0).
+    - A window whose global ``N`` is 0 changes nothing: the optimizer and step-interval LR schedulers are
+      not stepped, on every rank alike, and rank 0 warns. ``skipped_steps`` counts such windows.
+    - An invalid count, a ``None`` return or a loss without a graph on any rank raises the same error on
+      every rank at the end of the window, before the optimizer step.
+
+    Args:
+        *args: :class:`~lightning.pytorch.strategies.DDPStrategy`'s arguments.
+        participation: ``"pad"`` lets a rank whose data ran out step with count 0 until every rank is done;
+            ``"strict"`` raises instead (see :mod:`lightning_weighted.data`).
+        **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy`'s keyword arguments.
+
+    Example::
+
+        >>> import lightning_weighted
+        >>> from lightning.pytorch import Trainer
+        >>> trainer = Trainer(strategy="ddp_weighted", accelerator="cpu", devices=1, logger=False)
+        >>> type(trainer.strategy).__name__
+        'WeightedDDPStrategy'
+    """
+
+    strategy_name = "ddp_weighted"
+
+    def __init__(self, *args: Any, participation: Policy = "pad", **kwargs: Any) -> None:
+        super().__init__(*args, participation=participation, **kwargs)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
+        register_launchers(strategy_registry, cls, LAUNCHERS, "Count-weighted DDP strategy")
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        accumulates = trainer.accumulate_grad_batches > 1 or any(
+            isinstance(callback, GradientAccumulationScheduler)
+            for callback in trainer.callbacks  # type: ignore[attr-defined]
+        )
+        if self._ddp_kwargs.get("static_graph") and accumulates:
+            raise MisconfigurationException(
+                "`static_graph=True` with gradient accumulation is not supported by DDP in this torch version."
+                " Drop `static_graph=True`, or set `accumulate_grad_batches=1`."
+            )
+        super().setup(trainer)
+
+    @override
+    def _make_engine(self) -> Engine:
+        assert self.model is not None and self.lightning_module is not None
+        return DDPEngine(self.model, self.lightning_module, mean_sized=fp16_backward(self.precision_plugin))
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if self.model is not None and join_enabled(self.model):
+            raise RuntimeError(
+                "DistributedDataParallel.join() is active around a ddp_weighted step. ddp_weighted keeps ranks with"
+                " uneven inputs matched itself (participation='pad'), and join's shadow collectives would pair with"
+                " the count reduction. Remove the join() context."
+            )
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        augment_message(exception, ".*Expected to have finished reduction in the prior iteration.*", UNUSED_PARAMETERS)
+
+
+UNUSED_PARAMETERS = (
+    "It looks like your LightningModule has parameters that were not used in producing the loss returned by"
+    " training_step. If this is intentional, enable the detection of unused parameters in DDP, either with the"
+    " strategy name `strategy='ddp_weighted_find_unused_parameters_true'` or with"
+    " `strategy=WeightedDDPStrategy(find_unused_parameters=True)`."
+)
+
+Launcher = tuple[str, str, dict[str, Any]]  # a registered name, its start method, extra keyword arguments
+LAUNCHERS: tuple[Launcher, ...] = (
+    ("ddp_weighted", "popen", {}),
+    ("ddp_weighted_spawn", "spawn", {}),
+    ("ddp_weighted_fork", "fork", {}),
+    ("ddp_weighted_find_unused_parameters_true", "popen", {"find_unused_parameters": True}),
+)
+
+
+def register_launchers(registry: StrategyRegistry, cls: type, launchers: Sequence[Launcher], what: str) -> None:
+    """Registers ``cls`` under each launcher's name, as Lightning registers ``"ddp"`` and its variants."""
+    for name, start_method, extra in launchers:
+        registry.register(
+            name,
+            cls,
+            description=f"{what} with `start_method` '{start_method}' {extra or ''}".strip(),
+            override=True,  # importing twice leaves the registry as it was
+            start_method=start_method,
+            **extra,
+        )

@@ -1,0 +1,82 @@
+"""``WeightedModelParallelStrategy``: FSDP2 (and tensor parallelism) whose update is the global item mean's gradient."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import ModelParallelStrategy
+from typing_extensions import override
+
+from lightning_weighted._compat import StrategyRegistry
+from lightning_weighted.data import Policy
+from lightning_weighted.engines import Engine
+from lightning_weighted.engines.fsdp2 import FP16_FIX, FSDP2Engine, data_parallel_group, every_rank_data_parallel
+from lightning_weighted.trainer._strategy import WeightedTrainerStrategy
+
+__all__ = ["WeightedModelParallelStrategy"]
+
+
+class WeightedModelParallelStrategy(WeightedTrainerStrategy, ModelParallelStrategy):
+    """FSDP2 that optimises the mean over every valid item of each optimizer step, on every rank and microbatch.
+
+    The module applies ``fully_shard`` in ``configure_model`` over ``self.device_mesh["data_parallel"]`` (and
+    tensor parallelism over ``self.device_mesh["tensor_parallel"]``), exactly as for Lightning's
+    ``ModelParallelStrategy``; ``training_step`` follows :class:`~lightning_weighted.WeightedDDPStrategy`'s contract
+    and rules, and the update is the one stated in :mod:`lightning_weighted.window`.
+
+    Every FSDP module SUM-reduces on each microbatch (FSDP2's default under accumulation in Lightning: no unsharded
+    gradient is held between microbatches), the window's counts are summed over the data-parallel group, and the
+    local gradient shards are multiplied by ``1 / N`` before clipping and the optimizer; with an ``ItemCounter``
+    each loss is scaled by ``n / N`` before its backward instead (see :mod:`lightning_weighted.engines.fsdp2`).
+    Float16 computation or reduction (``"16-mixed"``, ``"16-true"``, a ``MixedPrecisionPolicy`` in float16) is
+    refused: item sums overflow it.
+
+    Args:
+        *args: ``ModelParallelStrategy``'s arguments. ``data_parallel_size`` defaults to the world size divided by
+            ``tensor_parallel_size``, and that to 1 (or the world size divided by ``data_parallel_size``).
+        participation: ``"pad"`` lets a rank whose data ran out step with count 0 until every rank is done;
+            ``"strict"`` raises instead (see :mod:`lightning_weighted.data`).
+        **kwargs: ``ModelParallelStrategy``'s keyword arguments.
+
+    Example::
+
+        >>> import lightning_weighted
+        >>> from lightning.pytorch import Trainer
+        >>> trainer = Trainer(strategy="fsdp2_weighted", accelerator="cpu", devices=1, logger=False)
+        >>> type(trainer.strategy).__name__
+        'WeightedModelParallelStrategy'
+    """
+
+    strategy_name = "fsdp2_weighted"
+
+    def __init__(self, *args: Any, participation: Policy = "pad", **kwargs: Any) -> None:
+        super().__init__(*args, participation=participation, **kwargs)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
+        strategy_registry.register(
+            "fsdp2_weighted",
+            cls,
+            description="Count-weighted FSDP2 (ModelParallelStrategy), data-parallel over every rank by default",
+            override=True,  # importing twice leaves the registry as it was
+        )
+
+    @override
+    def setup_environment(self) -> None:
+        every_rank_data_parallel(self)
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        precision = getattr(self.precision_plugin, "precision", "")
+        if precision in ("16-mixed", "16-true"):
+            raise MisconfigurationException(f"fsdp2_weighted would compute in float16 ({precision=}). {FP16_FIX}.")
+        super().setup(trainer)
+
+    @override
+    def _make_engine(self) -> Engine:
+        assert self.model is not None
+        return FSDP2Engine(self.model, data_parallel_group(self.device_mesh))
