@@ -54,3 +54,20 @@ def test_a_dataset_without_length_is_refused():
 
     with pytest.raises(TypeError, match="needs a dataset with a length"):
         UnpaddedDistributedSampler(Stream(), 2, 0)  # type: ignore[arg-type]
+
+
+def test_the_sampler_lightning_inserts_is_replaced_and_one_of_the_users_own_stays():
+    import torch
+    from torch.utils.data import DataLoader
+
+    from lightning_weighted.data import Replicas, without_padding
+
+    data = torch.arange(7)
+    # what Lightning builds from the strategy's `distributed_sampler_kwargs`, whose rank count is marked
+    inserted = DataLoader(data, sampler=DistributedSampler(data, num_replicas=Replicas(2), rank=1, shuffle=False))
+    replaced = without_padding(inserted)
+    assert replaced is inserted and type(inserted.sampler) is UnpaddedDistributedSampler
+    assert list(inserted.sampler) == [1, 3, 5]  # no item repeated to even the ranks out
+    own = DataLoader(data, sampler=DistributedSampler(data, num_replicas=2, rank=1, shuffle=False))
+    assert without_padding(own) is own and type(own.sampler) is DistributedSampler  # the user's choice stays
+    assert list(own.sampler) == [1, 3, 5, 0]

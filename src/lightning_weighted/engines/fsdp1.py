@@ -9,6 +9,7 @@ hooks for the hybrid ones, and ``NO_SHARD`` would SUM an accumulated gradient tw
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -22,10 +23,11 @@ __all__ = ["FSDP1Engine", "zero_gradients"]
 
 
 class FSDP1Engine:
-    """The engine of a ``FullyShardedDataParallel`` root; the constructor registers its communication hook.
+    """The engine of a ``FullyShardedDataParallel`` root; the constructor registers its communication hook once.
 
     Args:
-        root: the FSDP1 root module (before its first forward).
+        root: the FSDP1 root (before its first forward), or a module holding FSDP1 units already set up (a
+            ``validate()`` after a fit), whose first unit's hook is the one registered then.
     """
 
     divisor = 1
@@ -33,10 +35,15 @@ class FSDP1Engine:
     needs_graph = True  # every backward runs the collectives of the sharded model
 
     def __init__(self, root: nn.Module) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
         self.root = root
-        self.group: dist.ProcessGroup | None = root.process_group  # type: ignore[assignment]
+        first = next(m for m in root.modules() if isinstance(m, FullyShardedDataParallel))
+        self.group: dist.ProcessGroup | None = first.process_group
         self._zeroing: list[RemovableHandle] = []
-        root.register_comm_hook(self, _sum_reduce_scatter)  # type: ignore[operator]
+        if first is root and first not in _HOOKED:  # FSDP1 takes one hook per root
+            first.register_comm_hook(self, _sum_reduce_scatter)
+            _HOOKED.add(first)
 
     def empty(self, loss: Tensor | None) -> Tensor:
         """``0 · loss``; the gradient reaching the flat parameters is zeros until :meth:`after_backward`."""
@@ -56,6 +63,9 @@ class FSDP1Engine:
 
     def __getstate__(self) -> dict[str, object]:
         return {}  # like `PowerSGDState`: a process group does not pickle
+
+
+_HOOKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def _sum_reduce_scatter(engine: FSDP1Engine, grad: Tensor, output: Tensor | None = None) -> None:

@@ -1,10 +1,11 @@
 """A replayed batch counts for nothing where users look: Lightning's logged values and torchmetrics states.
 
 A rank whose loader ran out replays a batch (see :mod:`lightning_weighted.data`) so that every collective of the
-user's step stays matched; the step runs as written. While it runs, :meth:`Replays.neutral` makes its
-``self.log`` calls add nothing to epoch values (a mean's batch size is 0, a sum's value 0) and puts every torchmetrics
-``Metric`` of the module back as it was; and while any rank of that loader replays, the cross-rank means and sums
-of on-step values (``sync_dist=True``) weigh each rank by whether its batch was real (:meth:`Replays.reduce`).
+user's step stays matched; the step runs as written, inside :meth:`Replays.step`. A replay's ``self.log`` calls
+add nothing to epoch values (a mean's batch size is 0, a sum's value 0) and every torchmetrics ``Metric`` of the
+module is put back as it was after it; and in the step of any loader that replays, the cross-rank means and sums of
+on-step values (``sync_dist=True``, reduced as they are logged) weigh each rank by whether its batch was real
+(:meth:`Replays.reduce`). Epoch values reduce after the steps, as Lightning reduces them.
 """
 
 from __future__ import annotations
@@ -30,31 +31,26 @@ class Replays:
     """The weight of this rank's step in Lightning's cross-rank reductions, and the context of a replayed step.
 
     Attributes:
-        weight: ``None`` outside a step of a loader that replays (Lightning's reductions as they are); 1.0 for a real
-            batch and 0.0 for a replay inside one, until the epoch ends.
+        weight: inside the step of a loader that replays, 1.0 for a real batch and 0.0 for a replay; ``None``
+            elsewhere (Lightning's reductions as they are).
     """
 
     def __init__(self) -> None:
         self.weight: float | None = None
 
-    def begin_batch(self, replays: bool, replay: bool) -> None:
-        """Notes the batch about to run: whether its loader replays at all, and whether it is a replay."""
-        self.weight = (0.0 if replay else 1.0) if replays else None
-
     @contextlib.contextmanager
-    def neutral(self, module: LightningModule, replay: bool) -> Iterator[None]:
-        """Runs a step; for a replay, its logged epoch values and its metric updates leave no trace."""
-        if not replay:
-            yield
-            return
-        metrics = [m for m in module.modules() if isinstance(m, Metric)]
+    def step(self, module: LightningModule, replays: bool, replay: bool) -> Iterator[None]:
+        """Runs a step of a loader (``replays``: one that replays); a replay's logs and metrics leave no trace."""
+        self.weight = (0.0 if replay else 1.0) if replays else None
+        metrics = [m for m in module.modules() if isinstance(m, Metric)] if replay else []
         saved = [metric_snapshot(m) for m in metrics]
-        with patched(module, log=_logged_as_nothing(module.log)):
-            try:
+        try:
+            with patched(module, log=_logged_as_nothing(module.log)) if replay else contextlib.nullcontext():
                 yield
-            finally:
-                for metric, snapshot in zip(metrics, saved, strict=True):
-                    metric_restore(metric, snapshot)
+        finally:
+            self.weight = None
+            for metric, snapshot in zip(metrics, saved, strict=True):
+                metric_restore(metric, snapshot)
 
     def reduce(self, tensor: Tensor, reduce_op: Any, group: Any, fallback: Callable[..., Any]) -> Any:
         """A mean or sum over the ranks that held a real batch, where :attr:`weight` is set; else ``fallback``."""

@@ -60,7 +60,8 @@ class WeightedTrainerStrategy(ParallelStrategy):
         self._counter: ItemCounter | None = None
         self._replays = Replays()
         self._evaluation: EvaluationLoss | None = None
-        self._replaying = False  # the evaluation batch in progress is a replay
+        self._replaying = False  # the batch in progress (of any stage) is a replay
+        self._stage_replays = False  # the loader of the batch in progress replays
         self._dataloader_idx = 0  # of the evaluation batch in progress
         self._ends_window = False  # inside `optimizer_step`: the next backward ends the window
         self._backward_ran = False
@@ -78,7 +79,7 @@ class WeightedTrainerStrategy(ParallelStrategy):
 
     @property
     def padding_step(self) -> bool:
-        return self._replaying or (self._loop is not None and self._loop.padding_step)
+        return self._replaying
 
     @property
     def last_window(self) -> WindowResult | None:
@@ -151,7 +152,7 @@ class WeightedTrainerStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         self._skip_schedulers = False
         assert self._loop is not None and self.lightning_module is not None
-        with self._replays.neutral(self.lightning_module, self._loop.padding_step):
+        with self._replays.step(self.lightning_module, self._stage_replays, self._replaying):
             output = super().training_step(*args, **kwargs)
         counter = None if self._loop.counts_ahead else self._counter
         output = self._loop.add_output(output, args[0], extract_batch_size, counter)
@@ -211,7 +212,7 @@ class WeightedTrainerStrategy(ParallelStrategy):
 
     def _evaluation_step(self, step: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         assert self.lightning_module is not None and self._evaluation is not None
-        with self._replays.neutral(self.lightning_module, self._replaying):
+        with self._replays.step(self.lightning_module, self._stage_replays, self._replaying):
             output = step(*args, **kwargs)
         if not self._replaying and args:
             self._evaluation.add(output, args[0], self._dataloader_idx, self._counter)
@@ -247,7 +248,7 @@ class WeightedTrainerStrategy(ParallelStrategy):
                 return -1  # every rank is out of data: Lightning ends the epoch here, on every rank
             assert self._loop is not None
             self._loop.begin_batch(batch_idx)
-            self._replays.begin_batch(self._loaders.train.replays, self._loop.padding_step)
+            self._replaying, self._stage_replays = self._loop.padding_step, self._loaders.train.replays
             return batch_start(batch, batch_idx)
 
         def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
@@ -262,7 +263,7 @@ class WeightedTrainerStrategy(ParallelStrategy):
                 participation = loaders[dataloader_idx] if dataloader_idx < len(loaders) else None
                 self._replaying = participation is not None and participation.begin_batch(batch_idx)
                 self._dataloader_idx = dataloader_idx
-                self._replays.begin_batch(participation is not None and participation.replays, self._replaying)
+                self._stage_replays = participation is not None and participation.replays
                 return hook(batch, batch_idx, dataloader_idx)
 
             return on_batch_start
@@ -270,7 +271,7 @@ class WeightedTrainerStrategy(ParallelStrategy):
         def epoch_end(stage: str, hook: Callable[[], Any]) -> Callable[[], Any]:
             def on_epoch_end() -> Any:
                 result = hook()
-                self._replays.weight, self._replaying = None, False  # the epoch's values reduce as they are
+                self._replaying = False
                 if stage != "train" and self._evaluation is not None:
                     self._evaluation.log(stage, module)
                 return result
