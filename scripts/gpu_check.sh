@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# GPU check of ddp_weighted and fsdp2_weighted: tests/gpu/test_gpu.py on CUDA (`-k cuda`). The worked trace and
-# the float64 oracle over NCCL (1 rank: DDP and FSDP2) and over gloo on CUDA tensors (2 ranks sharing GPU 0: DDP),
-# riding counts and counts ahead; no device synchronisation inside a microbatch with counts ahead
-# (torch.cuda.set_sync_debug_mode("error")), and the sync check catching a count read back from the device; paired
+# GPU check of the weighted strategies: tests/gpu/test_gpu.py on CUDA (`-k cuda`). The worked trace and the float64
+# oracle over NCCL (1 rank: DDP and FSDP2) and over gloo on CUDA tensors (2 ranks sharing GPU 0: DDP), counts
+# returned by training_step and counts ahead; no device synchronisation inside a microbatch on any path, engine or
+# integration (Trainer DDP, FSDP2, FSDP1 and Fabric DDP, FSDP2, under torch.cuda.set_sync_debug_mode("error")), and
+# the sync check catching a count the user's own step reads back from the device; paired
 # step times ddp_weighted / ddp on a ~100M-parameter transformer in bf16-mixed (printed as RESULT lines). At most
 # 8 minutes on one GPU. Without a CUDA device it prints SKIP and exits 0; the same tests' CPU dry run is part of
 # `python -m pytest`.

@@ -120,11 +120,12 @@ def reduce_scatter(output: Tensor, source: Tensor, group: Any, op: Any, async_op
 
 
 @contextlib.contextmanager
-def patched(module: nn.Module, **methods: Callable[..., Any]) -> Iterator[None]:
-    """Sets ``methods`` on one module instance for the length of the block; the class is never touched.
+def patched(module: Any, **methods: Callable[..., Any]) -> Iterator[None]:
+    """Sets ``methods`` on one instance for the length of the block; the class is never touched.
 
-    Lightning ends an epoch only when the module's ``on_train_batch_start`` returns -1 and steps LR schedulers
-    through the module's ``lr_scheduler_step``; no strategy hook sits at either point.
+    Lightning ends an epoch only when the module's ``on_train_batch_start`` returns -1, steps LR schedulers
+    through the module's ``lr_scheduler_step``, and clips FSDP1 gradients through its precision plugin; no strategy
+    hook sits at any of these points.
 
     Example::
 

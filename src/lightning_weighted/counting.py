@@ -95,7 +95,9 @@ class ItemCounter(Callback):
             ``train/items`` (``N``), ``train/items_local``, ``train/items_per_sec`` (``N`` over the wall time
             from the step's first microbatch to its end) and ``train/imbalance`` (``max_r P·n_r / N``, how far
             plain DDP would have skewed item influence), plus ``train/loss_epoch``, a torchmetrics
-            ``MeanMetric`` of the step losses weighted by ``N``.
+            ``MeanMetric`` of the step losses weighted by ``N``; and each auxiliary term ``training_step`` returns
+            (``"aux"``) as ``train/aux/<name>``, its mean over the window's microbatches and ranks, on the steps
+            Lightning logs (one all-reduce of the terms then).
         imbalance: also log ``train/imbalance``, at the cost of one 8-byte MAX all-reduce on the steps Lightning
             logs (every ``log_every_n_steps``); everything else reuses the strategy's count reduction.
 
@@ -130,6 +132,8 @@ class ItemCounter(Callback):
         self._loss_epoch = MeanMetric(sync_on_compute=False)  # its inputs are already global
         self._last_step: int | None = None
         self._started: float | None = None  # when the window in progress began
+        self._aux: dict[str, Any] = {}  # the window's auxiliary terms summed over its microbatches on this rank
+        self._microbatches = 0
 
     def count_of(self, batch: Any) -> int | float | Tensor:
         """The count of one microbatch, as the chosen preset or function defines it."""
@@ -160,10 +164,16 @@ class ItemCounter(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._microbatches += 1
+        terms = outputs.get("aux") if isinstance(outputs, Mapping) else None
+        if isinstance(terms, Mapping) and not getattr(trainer.strategy, "padding_step", False):
+            for name, term in terms.items():  # summed on the device: nothing is read per microbatch
+                self._aux[name] = self._aux.get(name, 0.0) + term.detach().reshape(()).double()
         window: WindowResult | None = trainer.strategy.last_window  # type: ignore[attr-defined]
         if window is None or window.step == self._last_step:
             return  # no optimizer step ended with this batch
         self._last_step = window.step
+        aux, microbatches, self._aux, self._microbatches = self._aux, self._microbatches, {}, 0
         self.items_total += window.items
         elapsed = time.perf_counter() - (self._started or math.inf)
         self._started = None
@@ -171,12 +181,14 @@ class ItemCounter(Callback):
             return
         # every value below is already global (or deliberately local): no sync_dist, no extra collective
         shown = {"train/items_per_sec": window.items / elapsed if elapsed > 0 else math.nan}
-        logged = {"train/items": window.items, "train/items_local": window.local_items}
+        logged: dict[str, Any] = {"train/items": window.items, "train/items_local": window.local_items}
         if window.items > 0:
             shown["train/loss"] = window.loss
             self._loss_epoch.update(torch.tensor(window.loss, device=pl_module.device), weight=window.items)
         if self.imbalance and _logs_now(trainer):
             logged["train/imbalance"] = _imbalance(window, pl_module.device)
+        if aux and _logs_now(trainer):
+            logged.update(_aux_means(aux, microbatches, window.ranks))
         pl_module.log_dict(shown, prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
         pl_module.log_dict(logged, on_step=True, on_epoch=False, batch_size=1)
 
@@ -205,6 +217,19 @@ def _select(batch: Any, key: str | int) -> Tensor:
     if not isinstance(value, Tensor):
         raise TypeError(f"ItemCounter(key={key!r}) found {type(value).__name__} in the batch; expected a tensor there")
     return value
+
+
+def _aux_means(sums: dict[str, Any], microbatches: int, ranks: int) -> dict[str, Tensor]:
+    """Each auxiliary term's mean over the window's microbatches and ranks, from one SUM of every rank's sums.
+
+    The weight the strategies give the terms (each microbatch of each rank alike); a replayed batch adds 0.
+    """
+    names = sorted(sums)
+    stacked = torch.stack([torch.as_tensor(sums[name], dtype=torch.float64) for name in names])
+    if dist.is_initialized():
+        dist.all_reduce(stacked)
+    means = stacked / (microbatches * ranks)
+    return {f"train/aux/{name}": mean for name, mean in zip(names, means, strict=True)}
 
 
 def _logs_now(trainer: Trainer) -> bool:

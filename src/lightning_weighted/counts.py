@@ -26,6 +26,7 @@ __all__ = [
     "Problem",
     "Slot",
     "Wording",
+    "aux_terms",
     "count_rule",
     "decode",
     "imbalance",
@@ -50,6 +51,8 @@ class Problem(IntEnum):
     REDUCTION = 9
     MISSING = 10
     DISAGREES = 11
+    AUX = 12
+    AUX_AFTER = 13
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,18 @@ _MESSAGES: dict[Problem, tuple[type[Exception], str]] = {
         ValueError,
         "{source} count={value!r}, which differs from the count ItemCounter took from the same batch; make them"
         " agree (e.g. the causal shift, `ignore_index`), or drop one of them",
+    ),
+    Problem.AUX: (
+        TypeError,
+        "{source} an 'aux' that is not a dict of one-element tensors; give each auxiliary term a name:"
+        " `'aux': {{'load_balance': lb, 'z': z}}`",
+    ),
+    Problem.AUX_AFTER: (
+        ValueError,
+        "{source} auxiliary terms ('aux'), which are averaged as plain DDP averages them, over the window's"
+        " microbatches and ranks; that needs the window's N before its backward, and its counts came after its"
+        " forwards. Count the batches ahead (`ItemCounter`, or `fabric.strategy.count_ahead` under Fabric), or add"
+        " the terms into 'loss' with the weight you want",
     ),
 }
 _WITH_VALUE = (Problem.NEGATIVE, Problem.NOT_FINITE, Problem.FRACTIONAL, Problem.TOO_LARGE, Problem.DISAGREES)
@@ -189,6 +204,24 @@ def split_output(output: object) -> tuple[Tensor | None, bool, Problem | None]:
     return loss, reduction == "sum", None
 
 
+def aux_terms(output: object) -> tuple[dict[str, Tensor], Problem | None]:
+    """The named auxiliary terms of what ``training_step`` returned (``"aux"``), and a problem with them.
+
+    Example::
+
+        >>> aux_terms({"loss": torch.tensor(1.0), "aux": {"z": torch.tensor(0.5)}})
+        ({'z': tensor(0.5000)}, None)
+        >>> aux_terms({"loss": torch.tensor(1.0), "aux": torch.tensor(0.5)})[1]
+        <Problem.AUX: 12>
+    """
+    terms = output.get("aux") if isinstance(output, Mapping) else None
+    if terms is None:
+        return {}, None
+    if not isinstance(terms, Mapping) or not all(isinstance(t, Tensor) and t.numel() == 1 for t in terms.values()):
+        return {}, Problem.AUX
+    return {str(name): term for name, term in terms.items()}, None
+
+
 def count_rule(
     output: object, batch: Any, batch_size: Callable[[Any], int], counter: tuple[object, bool] | None = None
 ) -> Count:
@@ -229,6 +262,8 @@ class Slot(IntEnum):
     MORE = 5  # 1 if this rank holds real batches after this window
     LOSS = 6  # Σ_m n_m · loss_m over this rank's window (the item sum, for a loss that is one)
     UNCUT = 7  # 1 if a microbatch counted 0 on the device had a non-finite loss (its backward ran: see `loop`)
+    KIND = 8  # the problem's number: summed with KIND_SQUARED, it names the problem several ranks share
+    KIND_SQUARED = 9
 
 
 WIDTH = len(Slot)
@@ -260,26 +295,31 @@ def decode(summed: Sequence[float], wording: Wording = TRAINER) -> GlobalCount:
 
     Example::
 
-        >>> decode([8.0, 0.0, 0.0, 0.0, 0.0, 2.0, 12.0, 0.0])
+        >>> decode([8.0, 0.0, 0.0, 0.0, 0.0, 2.0, 12.0, 0.0, 0.0, 0.0])
         GlobalCount(items=8.0, following=0.0, error=None, ranks_with_more=2, loss_sum=12.0, uncut=0)
-        >>> decode([2.0, 0.0, 1.0, 16 + Problem.NEGATIVE, -3.0, 2.0, 0.0, 0.0]).error.args[0][:48]
+        >>> decode([2.0, 0.0, 1.0, 16 + Problem.NEGATIVE, -3.0, 2.0, 0.0, 0.0, 1.0, 1.0]).error.args[0][:48]
         "on rank 1, a microbatch's count is negative (-3."
     """
     invalid, more = round(summed[Slot.INVALID]), round(summed[Slot.MORE])
     error: Exception | None = None
+    kinds, squares = round(summed[Slot.KIND]), round(summed[Slot.KIND_SQUARED])
     if invalid == 1:
         rank, kind = divmod(round(summed[Slot.CODE]), _KINDS)
         error_type, what = _MESSAGES[Problem(kind)]
         what = what.format(value=summed[Slot.VALUE] if kind in _WITH_VALUE else None, source=wording.source)
         error = error_type(f"on rank {rank}, {what}. {wording.fix}.")
+    elif invalid > 1 and kinds * kinds == invalid * squares:  # the sums of k and k² agree: one problem on all
+        error_type, what = _MESSAGES[Problem(kinds // invalid)]
+        what = what.replace(" ({value!r})", "").format(value=None, source=wording.source)  # the values differ
+        error = error_type(f"on {invalid} ranks, {what}. {wording.fix}.")
     elif invalid > 1:
         error = ValueError(f"on {invalid} ranks, a microbatch's count or loss is invalid. {wording.fix}.")
     uncut = round(summed[Slot.UNCUT])
     return GlobalCount(summed[Slot.ITEMS], summed[Slot.NEXT], error, more, summed[Slot.LOSS], uncut)
 
 
-def code(rank: int, problem: Problem) -> float:
-    """The payload's ``CODE`` of ``problem`` found on ``rank``."""
+def code(rank: int, problem: int) -> float:
+    """The payload's ``CODE`` of ``problem`` found on ``rank`` (0: the rank's part of the code alone)."""
     return float(rank * _KINDS + problem)
 
 

@@ -21,6 +21,7 @@ first batch, whose result stays on the device.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -30,7 +31,17 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_weighted._compat import multiply
-from lightning_weighted.counts import WIDTH, Count, Problem, Slot, Wording, count_rule, read_count, split_output
+from lightning_weighted.counts import (
+    WIDTH,
+    Count,
+    Problem,
+    Slot,
+    Wording,
+    aux_terms,
+    count_rule,
+    read_count,
+    split_output,
+)
 from lightning_weighted.data import Lookahead, Participation
 from lightning_weighted.engines import Engine
 from lightning_weighted.window import Window, WindowResult
@@ -65,7 +76,7 @@ class Planner:
         self.count = Count(0.0)  # the planned count of the batch in progress
         self._batch_idx = 0
         self._epoch = 0  # the loader pass `window` belongs to
-        self._following = False  # whether the next window was planned at this window's end
+        self._following = 0  # the microbatches of the next window, planned at this window's end
 
     def begin_batch(self, batch_idx: int) -> Window:
         """Takes the count of the batch about to be trained; returns its window (planned now at an epoch's first)."""
@@ -74,20 +85,23 @@ class Planner:
             counts = [self.count, *self.lookahead.ahead(self.size_at(batch_idx) - 1)]
             total = torch.tensor([_items(counts)], dtype=torch.float64, device=self.device)
             dist.all_reduce(total, group=self.group)  # on a GPU the stream waits, not the host
-            self.window, self._epoch = Window(total=total[0], divisor=self.divisor), self.lookahead.epoch
+            self.window, self._epoch = self._window(total[0], len(counts)), self.lookahead.epoch
         return self.window
 
     def plan_following(self) -> float:
         """Plans the window after the one in progress, at its last microbatch; returns this rank's items in it."""
         size = self.size_at(self._batch_idx + 1)
         counts = self.lookahead.ahead(size) if size > 0 else []
-        self._following = bool(counts)
+        self._following = len(counts)
         return _items(counts)
 
     def received(self, total: float) -> None:
         """Takes the next window's ``N`` from the exchange that ended the window in progress."""
-        self.window = Window(total=total, divisor=self.divisor) if self._following else None
-        self._following = False
+        self.window = self._window(total, self._following) if self._following else None
+        self._following = 0
+
+    def _window(self, total: float | Tensor, size: int) -> Window:
+        return Window(total=total, divisor=self.divisor, shares=dist.get_world_size(self.group) * size)
 
 
 class WindowLoop:
@@ -119,7 +133,9 @@ class WindowLoop:
         self.skipped_steps = 0
         self.padding_step = False
         self.factor: float | Tensor = 0.0  # the loss factor of the microbatch in progress
+        self.aux: Tensor | None = None  # its auxiliary terms, weighted, added to the loss it backpropagates
         self._window: Window | None = None
+        self._planned: deque[Count] = deque()  # counts handed over ahead for the window in progress (`plan`)
         self._exchange: tuple[Tensor, Any] | None = None
         # c of the next window counted after: 1, or the size of one microbatch's count where losses stay mean-sized
         self._reference: float | Tensor | None = None if engine.mean_sized else 1.0
@@ -142,6 +158,30 @@ class WindowLoop:
         if self.planner is not None:
             self._window = self.planner.begin_batch(batch_idx)
 
+    def plan(self, counts: list[Count]) -> None:
+        """Counts the next window ahead, from its microbatches' counts: one SUM now, whose result stays on the device.
+
+        Every loss of the window is then scaled by :math:`D n / N` before its backward, and nothing is multiplied
+        after it; :meth:`add` takes the counts in order.
+        """
+        if self._window is not None:
+            raise RuntimeError(
+                "the counts of a window were handed over while a window is open: hand them over before the"
+                " window's first backward, once per window"
+            )
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for count in counts:
+            if isinstance(count.problem, Problem):
+                continue  # its problem is reported at the window's end, where `add` meets it
+            if isinstance(count.problem, Tensor):  # a count on the device, checked there
+                total += torch.where(count.problem == 0, count.value, 0.0)
+            else:
+                total += count.value
+        dist.all_reduce(total, group=self.engine.group)  # on a GPU the stream waits, not the host
+        shares = self.ranks * len(counts)
+        self._window = Window(total=total[0], divisor=self.engine.divisor, shares=shares)
+        self._planned = deque(counts)
+
     def add_output(self, output: Any, batch: Any, batch_size: Callable[[Any], int], counter: Any = None) -> Any:
         """Records what ``training_step`` returned for ``batch``; returns what Lightning should take instead.
 
@@ -149,6 +189,7 @@ class WindowLoop:
         and ``training_step`` returned no ``"count"``; counted ahead, a returned ``"count"`` must agree.
         """
         loss, item_sum, problem = split_output(output)
+        aux, aux_problem = aux_terms(output)
         if loss is None and not self.padding_step:
             self.add(None, None, False)
             return {"loss": self._refused(None)}  # Lightning proceeds; every rank raises at the window's end
@@ -157,26 +198,46 @@ class WindowLoop:
         else:
             counted = None if counter is None else (counter.count_of(batch), counter.integer)
             count = count_rule(output, batch, batch_size, counted)
-        self.add(loss, count, item_sum, problem)
+        self.add(loss, count, item_sum, problem or aux_problem, aux)
         return output
 
-    def add(self, loss: Tensor | None, count: Count | None, item_sum: bool, problem: Problem | None = None) -> None:
-        """Records one microbatch's loss and count; :attr:`factor` is then its loss factor."""
+    def add(
+        self,
+        loss: Tensor | None,
+        count: Count | None,
+        item_sum: bool,
+        problem: Problem | None = None,
+        aux: dict[str, Tensor] | None = None,
+    ) -> None:
+        """Records one microbatch's loss, count and auxiliary terms; :attr:`factor` is then its loss factor.
+
+        Auxiliary terms are averaged as plain DDP averages its losses, each microbatch of each rank alike
+        (:meth:`~lightning_weighted.window.Window.aux_factor`), where the window was counted ahead.
+        """
         if self._reference is None:
             self._reference = self._first_reference(None if self.padding_step else count)
         window = self.window()
         self._microbatches += 1
-        self.factor = 0.0
+        self.factor, self.aux = 0.0, None
         if self.padding_step:
             return  # a replay of an exhausted rank contributes nothing
         if problem is None:
             problem = Problem.NO_LOSS if loss is None else Problem.NO_GRAPH if loss.grad_fn is None else None
+        if self._planned:  # counted ahead: the planned count, which a count given here must agree with
+            planned = self._planned.popleft()
+            count = planned if count is None else _agreed({"count": count.value}, planned)
         if problem is None and count is None:
             problem = Problem.MISSING
         if problem is not None or count is None:
             window.reject(problem or Problem.MISSING)
             return
         self.factor = window.add(count, loss, item_sum)
+        if aux:
+            share = window.aux_factor()
+            if share is None:
+                window.reject(Problem.AUX_AFTER)
+            else:
+                self.aux = torch.stack([term.reshape(()) for term in aux.values()]).sum() * share
 
     def window(self) -> Window:
         """The window in progress (a new one, counted after, where none is)."""
@@ -185,14 +246,19 @@ class WindowLoop:
         return self._window
 
     def scaled(self, loss: Tensor, multiplier: float = 1.0) -> Tensor:
-        """The loss to backpropagate: ``loss · factor · multiplier``, or the engine's exact zero for a factor 0."""
+        """The loss to backpropagate: ``loss · factor · multiplier``, or the engine's exact zero for a factor 0.
+
+        Plus the microbatch's weighted auxiliary terms, if it has any.
+        """
         factor = self.factor
         if isinstance(factor, Tensor):  # a count on the device: never compared on the host
-            return loss * (factor * multiplier)
-        if factor == 0:
-            return self._refused(loss) if loss.grad_fn is None else self.engine.empty(loss)
-        scale = factor * multiplier
-        return loss if scale == 1 else loss * scale
+            scaled = loss * (factor * multiplier)
+        elif factor == 0:
+            scaled = self._refused(loss) if loss.grad_fn is None else self.engine.empty(loss)
+        else:
+            scale = factor * multiplier
+            scaled = loss if scale == 1 else loss * scale
+        return scaled if self.aux is None else scaled + self.aux
 
     def end(self) -> None:
         """Starts the window's exchange; runs right before the backward that ends the window (once per window)."""
@@ -217,7 +283,7 @@ class WindowLoop:
             The window's result; ``items == 0`` means the step must change nothing.
         """
         self.end()
-        window, self._window = self.window(), None
+        window, self._window, self._planned = self.window(), None, deque()
         assert self._exchange is not None
         (vector, work), self._exchange = self._exchange, None
         work.wait()  # on a GPU the stream waits, not the host

@@ -73,6 +73,8 @@ class Window:
         reference: counts after: :math:`c`, what each loss is divided by beside being multiplied by its count.
         total: counts ahead: the window's :math:`N` (a number, or still on the device), summed before it started.
         divisor: counts ahead: :math:`D`, what the engine's reduction divides the SUM of the gradients by.
+        shares: counts ahead: :math:`P M`, the ranks times the window's microbatches, over which auxiliary terms
+            (:meth:`aux_factor`) are averaged as plain DDP averages its losses.
 
     Example (rank 1 of the worked trace, counted after)::
 
@@ -80,13 +82,19 @@ class Window:
         >>> window.add(Count(6.0), loss=torch.tensor(4.0))  # its mean loss, times 6: an item sum
         6.0
         >>> window.payload(rank=1, more=False, device=torch.device("cpu")).tolist()
-        [6.0, 0.0, 0.0, 0.0, 0.0, 0.0, 24.0, 0.0]
+        [6.0, 0.0, 0.0, 0.0, 0.0, 0.0, 24.0, 0.0, 0.0, 0.0]
     """
 
-    __slots__ = ("_device", "divisor", "items", "problem", "reference", "total")
+    __slots__ = ("_device", "divisor", "items", "problem", "reference", "shares", "total")
 
-    def __init__(self, reference: float | Tensor = 1.0, total: float | Tensor | None = None, divisor: int = 1) -> None:
-        self.reference, self.total, self.divisor = reference, total, divisor
+    def __init__(
+        self,
+        reference: float | Tensor = 1.0,
+        total: float | Tensor | None = None,
+        divisor: int = 1,
+        shares: int = 1,
+    ) -> None:
+        self.reference, self.total, self.divisor, self.shares = reference, total, divisor, shares
         self.items = 0.0  # Σ n of host counts
         self.problem: tuple[Problem, float] | None = None  # the first problem known on the host
         # what lives on a device: Σ n of tensor counts, the first problem found there and its value, Σ n · loss
@@ -142,6 +150,19 @@ class Window:
         assert isinstance(factor, Tensor)
         return factor
 
+    def aux_factor(self) -> float | None:
+        """What an auxiliary term is multiplied by (:math:`D / (P M)`: each microbatch of each rank weighs alike).
+
+        ``None`` where the window was counted after its forwards: its :math:`N`, which divides every gradient after
+        the reduction, is unknown to the auxiliary terms' backward.
+
+        Example (the 2 ranks of DDP's average, windows of 3 microbatches)::
+
+            >>> Window(total=8.0, divisor=2, shares=2 * 3).aux_factor()
+            0.3333333333333333
+        """
+        return self.divisor / self.shares if self.ahead else None
+
     def _factor(self, weight: float | Tensor) -> float | Tensor:
         if self.total is None:
             return weight / self.reference
@@ -175,6 +196,7 @@ class Window:
             problem, value = self.problem
             fields[Slot.INVALID], fields[Slot.CODE] = 1.0, code(rank, problem)
             fields[Slot.VALUE] = _reported(problem, value)
+            fields[Slot.KIND], fields[Slot.KIND_SQUARED] = float(problem), float(problem) ** 2
         vector = torch.tensor(fields, dtype=torch.float64)
         if device.type == "cuda":
             vector = vector.pin_memory()  # a pinned, non-blocking copy keeps the host from waiting
@@ -194,7 +216,8 @@ class Window:
         if problem_code is not None:
             if self.problem is None:  # one problem per rank: the host's, if it found one
                 parts[Slot.INVALID] = (problem_code > 0).double()
-                parts[Slot.CODE] = torch.where(problem_code > 0, problem_code + code(rank, Problem(1)) - 1, 0.0)
+                parts[Slot.CODE] = torch.where(problem_code > 0, problem_code + code(rank, 0), 0.0)
+                parts[Slot.KIND], parts[Slot.KIND_SQUARED] = problem_code, problem_code * problem_code
             else:
                 parts.pop(Slot.VALUE, None)
         for slot, part in parts.items():

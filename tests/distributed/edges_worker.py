@@ -159,10 +159,10 @@ class ResumeModule(TokenModule):
 
 class SpikeModule(TokenModule):
     def training_step(self, batch: Any, batch_idx: int) -> Any:
-        output = super().training_step(batch, batch_idx)
+        output = self.step("train", batch)
         if batch_idx == 1 and self.global_rank == 1:
             output["loss"] = output["loss"] * torch.tensor(float("inf"))  # a loss spike on one rank
-        return output
+        return output if not self.config.counter else {"loss": output["loss"]}
 
 
 class BatchNormModule(TokenModule):

@@ -9,6 +9,7 @@ window size instead of passing its count.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from collections.abc import Iterator
 from datetime import timedelta
@@ -18,9 +19,11 @@ import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
+from reads import ReadSpy, to_device, to_host
 from scenario import (
     Batch,
     Config,
+    aux_terms,
     count_of,
     inject,
     item_losses,
@@ -44,6 +47,7 @@ class FabricConfig(Config):
     item_sum: bool = False  # pass the loss as a sum over items, with reduction="sum"
     misuse: str | None = None  # a use the strategy refuses: see `train_epoch`
     evaluate: bool = False  # after training, one pass over the loader without backward (an evaluation loop)
+    ahead: bool = False  # fetch each window's batches first and hand their counts over with `count_ahead`
 
 
 def weighted(config: Config) -> bool:
@@ -96,7 +100,9 @@ def make_loader(config: Config, rank: int) -> tuple[DataLoader[Any], _Epochs | N
     if config.items is not None:  # one dataset, sharded by the sampler Fabric sets up
         return DataLoader(shared_dataset(config), batch_size=config.batch_size, shuffle=True), None
     epochs = _Epochs(config, rank)
-    dataset = _EpochStream(epochs) if config.iterable else _EpochList(epochs)
+    dataset: Dataset[Batch] = _EpochStream(epochs) if config.iterable else _EpochList(epochs)
+    if config.host_reads:  # the loader hands out host batches
+        epochs.epochs = [[to_host(b) for b in e] for e in epochs.epochs]
     return DataLoader(dataset, batch_size=None), epochs
 
 
@@ -105,8 +111,8 @@ def main() -> None:
     config = FabricConfig(**json.loads(args.config))
     fabric = Fabric(
         strategy=make_strategy(config),
-        accelerator="cpu",
-        devices=config.world_size,
+        accelerator=config.device,
+        devices=1 if config.device == "cuda" else config.world_size,  # on CUDA: one rank, NCCL
         precision=config.precision,  # type: ignore[arg-type]
     )
     fabric.launch()
@@ -115,6 +121,9 @@ def main() -> None:
     model: Any = None
     recorder = Recorder(config, "")
     record["collectives"] = recorder.collectives  # (name, dtype, numel) of every collective once training starts
+    record["spy"] = spy = ReadSpy()
+    if config.host_reads:
+        spy.install()
     try:
         model = fabric.setup_module(make_model(config.seed))  # FSDP2 shards it: the optimizer comes after
         optimizer = fabric.setup_optimizers(make_optimizer(config, model.parameters()))
@@ -141,13 +150,36 @@ def main() -> None:
     finally:
         record["skipped_steps"] = getattr(strategy, "skipped_steps", None)
         record["local_params"] = None if model is None else [local(p.detach()) for p in model.parameters()]
+        spy.uninstall()
+        record["reads"] = record.pop("spy").reads
         torch.save(record, f"{args.out}.rank{rank}")
+
+
+def counted_ahead(config: Config, strategy: Any, loader: Any) -> Iterator[tuple[int, Batch]]:
+    """The loader's batches, each window's fetched first and its counts handed over (as torchtitan counts)."""
+    held: list[tuple[int, Batch]] = []
+    for item in itertools.chain(enumerate(loader), [None]):
+        if item is not None:
+            held.append(item)
+        if held and (item is None or len(held) == config.accumulate):
+            strategy.count_ahead([count_of(config, b[2]) for _, b in held], integer=config.mode != "weights")
+            yield from held
+            held = []
 
 
 def train_epoch(fabric: Fabric, config: FabricConfig, model: Any, optimizer: Any, loader: Any, record: Any) -> None:
     a, strategy = config.accumulate, fabric.strategy
     length = None if config.iterable else len(loader)
-    for index, (x, y, w) in enumerate(loader):
+    batches = counted_ahead(config, strategy, loader) if config.ahead else enumerate(loader)
+    spy: ReadSpy = record["spy"]
+    for index, (x, y, w) in batches:
+        if config.host_reads:  # the batch reaches the device: every host read of a value computed from it counts
+            x, y, w = to_device((x, y, w))
+            spy.mark, spy.active = (index // a, index), True
+        if config.device == "cuda":
+            x, y, w = (t.to(fabric.device, non_blocking=True) for t in (x, y, w))
+            if config.sync_debug and index >= 2 * a:  # past DDP's bucket rebuild, which reads once
+                torch.cuda.set_sync_debug_mode("error")  # any device synchronisation from here raises
         if config.precision == "64-true":  # Fabric converts the model's inputs, not the batch: weights in float64
             y, w = y.double(), w.double()
         last = (index + 1) % a == 0 or index + 1 == length
@@ -172,7 +204,14 @@ def train_epoch(fabric: Fabric, config: FabricConfig, model: Any, optimizer: Any
                 if config.marking == "window_end" or misuse == "window_end_in_no_sync":
                     keywords["window_end"] = last or misuse == "window_end_in_no_sync"
                 reduction = "avg" if misuse == "reduction" else "sum" if config.item_sum else "mean"
+                if config.ahead:
+                    keywords.pop("count", None)  # handed over ahead
+                if config.aux == "parts":
+                    keywords["aux"] = aux_terms(model.module, x)  # the module Fabric set up, its layers called
                 fabric.backward(total if config.item_sum else mean, reduction=reduction, **keywords)
+        spy.active = False
+        if config.sync_debug:
+            torch.cuda.set_sync_debug_mode("default")
         if misuse == "step_in_open_window":
             optimizer.step()
         if misuse == "clip_in_open_window":

@@ -74,6 +74,8 @@ class Config:
     host_reads: bool = False  # batches leave the loader as `reads.HostTensor`s, reach the device as `DeviceTensor`s
     device: str = "cpu"  # "cuda": every rank on cuda:0 (NCCL alone, gloo on CUDA tensors for several)
     sync_debug: bool = False  # CUDA: torch.cuda.set_sync_debug_mode("error") around microbatches after step 2
+    read_in_step: bool = False  # training_step reads its count on the host (a synchronisation on a GPU)
+    aux: str | None = None  # auxiliary terms: "parts" returns them in "aux", "inside" adds them into "loss"
 
 
 def make_model(seed: int) -> nn.Module:
@@ -144,6 +146,12 @@ def item_losses(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
     return 0.5 * (model(x).squeeze(-1) - y) ** 2
 
 
+def aux_terms(model: nn.Module, x: Tensor) -> dict[str, Tensor]:
+    """Two auxiliary terms of a microbatch, standing for a MoE load-balancing loss and a router z-loss."""
+    hidden = model[1](model[0](x))
+    return {"load_balance": 0.5 * hidden.pow(2).mean(), "z": 0.1 * model[2](hidden).pow(2).mean()}
+
+
 def count_of(config: Config, w: Tensor) -> Any:
     if config.mode == "examples":
         return len(w)  # a Python int
@@ -182,11 +190,18 @@ class WeightedModule(LightningModule):
             failed = inject(self.config.fault, self.global_rank, "training_step")
             if failed is not NO_FAULT:
                 return failed  # type: ignore[no-any-return]
+        if self.config.read_in_step:
+            count = int(count)  # the user's own read: what the sync check must catch
         if self.config.count_override is not None:
             value = self.config.count_override
             count = int(value) if float(value).is_integer() else value
         if self.config.loss_shape is not None:
             mean = mean.reshape(self.config.loss_shape)
+        if self.config.aux == "inside":  # the control: weighted by the microbatch's items, as the loss is
+            mean = mean + sum(aux_terms(self.model, x).values())
+        if self.config.aux == "parts":
+            output: dict[str, Any] = {"loss": mean, "aux": aux_terms(self.model, x)}
+            return output if self.config.bare_loss else {**output, "count": count}
         if self.config.bare_loss:
             return mean  # type: ignore[return-value]
         if self.config.item_sum:
@@ -321,7 +336,7 @@ def reference(config: Config) -> dict[str, Any]:
     model = copy.deepcopy(make_model(config.seed)).double()
     optimizer = make_optimizer(config, model.parameters())
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5) if config.scheduler else None
-    norms, losses, items, local_items = [], [], [], []
+    norms, losses, items, local_items, aux_means = [], [], [], [], []
     for epoch in range(config.epochs):
         per_rank = [make_batches(config, r, epoch) for r in range(config.world_size)]
         for window in windows(config, epoch):
@@ -333,6 +348,11 @@ def reference(config: Config) -> dict[str, Any]:
                 continue  # a window without items changes nothing
             optimizer.zero_grad()
             loss = (item_losses(model, x, y) * w).sum() / w.sum()
+            if config.aux is not None:  # averaged over the window's microbatches and ranks, as plain DDP averages
+                shares = config.world_size * len(window)
+                parts = [aux_terms(model, b[0].double()) for b in held]
+                loss = loss + sum(sum(p.values()) for p in parts) / shares
+                aux_means.append({name: float(sum(p[name].detach() for p in parts)) / shares for name in parts[0]})
             loss.backward()
             losses.append(loss.item())
             items.append(float(w.sum()))
@@ -352,6 +372,7 @@ def reference(config: Config) -> dict[str, Any]:
         "losses": losses,
         "items": items,
         "local_items": local_items,
+        "aux_means": aux_means,
     }
 
 

@@ -97,15 +97,6 @@ class ShardedModule(WeightedModule):
         for layer in (self.model[0], self.model[2], self.model):
             fully_shard(layer, mesh=mesh, mp_policy=policy)
 
-    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None, **kwargs: Any) -> None:
-        model = self.trainer.strategy.model
-        if gradient_clip_val is None:
-            return
-        if self.config.clip_algorithm == "norm" and hasattr(model, "clip_grad_norm_"):
-            model.clip_grad_norm_(gradient_clip_val)  # FSDP1: Lightning's own norm clipping refuses it
-        else:
-            super().configure_gradient_clipping(optimizer, gradient_clip_val, **kwargs)
-
     def train_dataloader(self) -> Any:
         from scenario import _EpochList, _EpochStream
         from torch.utils.data import DataLoader

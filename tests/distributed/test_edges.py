@@ -119,16 +119,17 @@ def test_a_mid_epoch_resume_trains_exactly_the_batches_of_the_uninterrupted_run(
             assert torch.equal(c["full"][name], value), name  # bit for bit
 
 
-@pytest.mark.parametrize("strategy", ["ddp_weighted", "ddp"])
-def test_a_loss_spike_on_one_rank_is_left_to_spike_detection_as_under_ddp(tmp_path, strategy):
+@pytest.mark.parametrize(("strategy", "counter"), [("ddp_weighted", False), ("ddp_weighted", True), ("ddp", False)])
+def test_a_loss_spike_on_one_rank_is_left_to_spike_detection_as_under_ddp(tmp_path, strategy, counter):
     # rank 1's loss turns inf at one step: the counts stay exact, and SpikeDetection stops every rank
-    records, _ = edges(EdgeConfig(scenario="spike", strategy=strategy), tmp_path)
+    records, _ = edges(EdgeConfig(scenario="spike", strategy=strategy, counter=counter), tmp_path)
     assert [record["outcome"] for record in records] == ["TrainingSpikeException"] * 2
 
 
-def test_stochastic_weight_averaging_recomputes_batch_norm_statistics_as_under_ddp(tmp_path):
+@pytest.mark.parametrize("counter", [False, True])
+def test_stochastic_weight_averaging_recomputes_batch_norm_statistics_as_under_ddp(tmp_path, counter):
     # SWA's last epoch runs training steps without a backward, and one optimizer step: it is taken, as under ddp
-    weighted, _ = edges(EdgeConfig(scenario="swa"), tmp_path)
+    weighted, _ = edges(EdgeConfig(scenario="swa", counter=counter), tmp_path)
     plain, _ = edges(EdgeConfig(scenario="swa", strategy="ddp"), tmp_path)
     assert weighted[0]["global_step"] == plain[0]["global_step"]
     assert all(torch.isfinite(value).all() for value in weighted[0]["full"].values())

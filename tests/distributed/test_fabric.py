@@ -29,14 +29,15 @@ def fabric_fit(config: FabricConfig, tmp_path: Path, timeout: float = 120, expec
 
 
 @pytest.mark.parametrize("strategy", ENGINES)
-@pytest.mark.parametrize("accumulate", [1, 3])
-def test_fabric_matches_the_float64_reference_and_plain_fabric_does_not(tmp_path, strategy, accumulate):
+@pytest.mark.parametrize(("accumulate", "ahead"), [(1, False), (3, False), (3, True)])
+def test_fabric_matches_the_float64_reference_and_plain_fabric_does_not(tmp_path, strategy, accumulate, ahead):
     # uneven token-masked microbatches (rank 1's hold several times rank 0's tokens), windows of A through
-    # no_backward_sync, the short last window of each epoch included
-    config = FabricConfig(strategy=strategy, accumulate=accumulate, batches=7, epochs=2, mode="tokens")
+    # no_backward_sync, the short last window of each epoch included; `ahead`: each window's counts handed over
+    # with `fabric.strategy.count_ahead` before its first forward (a count given to fabric.backward otherwise)
+    config = FabricConfig(strategy=strategy, accumulate=accumulate, batches=7, epochs=2, mode="tokens", ahead=ahead)
     expected = reference(config)
     weighted = fabric_fit(config, tmp_path)
-    plain = fabric_fit(dataclasses.replace(config, strategy=PLAIN[strategy]), tmp_path)
+    plain = fabric_fit(dataclasses.replace(config, strategy=PLAIN[strategy], ahead=False), tmp_path)
 
     assert len(weighted[0]["steps"]) == len(expected["norms"]) == 2 * math.ceil(7 / accumulate)
     # fabric.all_reduce(..., "mean") of an integer does not floor under the weighted strategies (Lightning's does)
@@ -58,11 +59,22 @@ def test_each_window_costs_one_count_reduction_however_it_is_marked(tmp_path, st
     result = fabric_fit(config, tmp_path)
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
     for rank in result:
-        # the window's payload, 8 float64 values, once per window (of 3, 3 and 1 microbatches); DDP's buckets
+        # the window's payload, 10 float64 values, once per window (of 3, 3 and 1 microbatches); DDP's buckets
         # are reduced in C++, unseen here, and FSDP2's reduce-scatters are not all-reduces
         ours = [c for c in rank["collectives"] if c[0] == "all_reduce"]
-        assert ours == [("all_reduce", "torch.float64", 8)] * 3
+        assert ours == [("all_reduce", "torch.float64", 10)] * 3
         assert [s["collectives"] for s in rank["steps"]] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("strategy", ENGINES)
+def test_counts_handed_over_ahead_cost_their_sum_and_the_windows_payload(tmp_path, strategy):
+    config = FabricConfig(strategy=strategy, accumulate=3, batches=7, ahead=True, count_collectives=True)
+    result = fabric_fit(config, tmp_path)
+    assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
+    for rank in result:
+        ours = [c for c in rank["collectives"] if c[0] == "all_reduce"]
+        # per window: its counts' SUM before its first forward, then its payload before its last backward
+        assert ours == [("all_reduce", "torch.float64", 1), ("all_reduce", "torch.float64", 10)] * 3
 
 
 @pytest.mark.parametrize("strategy", ENGINES)

@@ -197,6 +197,13 @@ def test_clipping_sees_the_normalized_gradient(tmp_path, strategy, algorithm, cl
     assert max_relative_error(unclipped["params"], expected["params"]) > 1e-3  # the clip changes the result
 
 
+def test_norm_clipping_under_fsdp1_is_fsdps_own_where_lightnings_fsdp_refuses_it(tmp_path):
+    # the control: Lightning's FSDPStrategy (on the CPU, otherwise unchanged) refuses `gradient_clip_algorithm="norm"`
+    config = ShardedConfig(strategy="fsdp", accumulate=2, clip=0.05, clip_algorithm="norm", mode="examples")
+    done = fit_sharded(config, tmp_path, expect_failure=True)
+    assert "`gradient_clip_algorithm='norm'` is currently not supported for `FSDPPrecision`" in done.stdout
+
+
 @pytest.mark.parametrize(("strategy", "scatters"), [("fsdp2_weighted", 7), ("fsdp_weighted", 3)])
 def test_one_tiny_collective_per_optimizer_step_is_all_it_adds(tmp_path, strategy, scatters):
     config = ShardedConfig(strategy=strategy, accumulate=3, batches=7, count_collectives=True)
@@ -204,7 +211,7 @@ def test_one_tiny_collective_per_optimizer_step_is_all_it_adds(tmp_path, strateg
     plain = fit_sharded(dataclasses.replace(config, strategy=PLAIN[strategy]), tmp_path)[0]
     assert len(weighted["steps"]) == 3  # windows of 3, 3 and 1 microbatches
     ours = Counter(weighted["collectives"]) - Counter(plain["collectives"])
-    assert ours == {("all_reduce", "torch.float64", 8): 3}  # the window's payload: 64 bytes per optimizer step
+    assert ours == {("all_reduce", "torch.float64", 10): 3}  # the window's payload: 80 bytes per optimizer step
     assert not Counter(plain["collectives"]) - Counter(weighted["collectives"])
     # the plain strategy's reduce-scatters, per FSDP unit (2 Linear layers): FSDP2 every microbatch (7), FSDP1
     # once per window (3)

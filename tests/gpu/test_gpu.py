@@ -1,5 +1,6 @@
 """The GPU check: the worked trace and the float64 oracle over NCCL and over gloo on CUDA tensors, no device
-synchronisation inside a microbatch with counts ahead, and paired step times on a ~100M-parameter transformer.
+synchronisation inside a microbatch on any path, engine or integration, and paired step times on a ~100M-parameter
+transformer.
 
 Each test runs on CUDA where a GPU is visible (`scripts/gpu_check.sh` runs `-k cuda`, at most 8 minutes on one
 GPU) and as a CPU dry run everywhere (gloo, the same launches, records and verdicts, small sizes), so CI keeps
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fabric_worker import FabricConfig
 from harness import fit
 from launcher import ranks
 from scenario import Config, max_relative_error, reference
@@ -84,21 +86,72 @@ def test_the_oracle_matches_the_float64_reference(tmp_path, device, world_size, 
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5  # fp32 matmuls: no TF32
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_no_microbatch_synchronizes_the_device_when_counts_are_taken_ahead(tmp_path, device):
+def _fabric(config: object, tmp_path: Path) -> list[dict]:
+    return fit(config, tmp_path, timeout=240, script="fabric_worker.py")  # type: ignore[arg-type, no-any-return]
+
+
+def _sharded(config: object, tmp_path: Path) -> list[dict]:
+    return fit_sharded(config, tmp_path, timeout=240)  # type: ignore[arg-type, no-any-return]
+
+
+def _trainer(config: object, tmp_path: Path) -> list[dict]:
+    return fit(config, tmp_path, timeout=240)  # type: ignore[arg-type, no-any-return]
+
+
+AHEAD = {"counter": "quiet", "bare_loss": True}
+COMBINATIONS = [  # every integration, engine and count path, on one rank (NCCL on CUDA)
+    ("trainer-ddp-returned", _trainer, ORACLE),
+    ("trainer-ddp-counter", _trainer, dataclasses.replace(ORACLE, **AHEAD)),
+    ("trainer-fsdp2-returned", _sharded, ShardedConfig(**{**dataclasses.asdict(ORACLE), "strategy": "fsdp2_weighted"})),
+    (
+        "trainer-fsdp2-counter",
+        _sharded,
+        ShardedConfig(**{**dataclasses.asdict(ORACLE), **AHEAD, "strategy": "fsdp2_weighted"}),
+    ),
+    ("trainer-fsdp1-returned", _sharded, ShardedConfig(**{**dataclasses.asdict(ORACLE), "strategy": "fsdp_weighted"})),
+    (
+        "trainer-fsdp1-counter",
+        _sharded,
+        ShardedConfig(**{**dataclasses.asdict(ORACLE), **AHEAD, "strategy": "fsdp_weighted"}),
+    ),
+    ("fabric-ddp-returned", _fabric, FabricConfig(**dataclasses.asdict(ORACLE))),
+    ("fabric-ddp-ahead", _fabric, FabricConfig(**dataclasses.asdict(ORACLE), ahead=True)),
+    ("fabric-fsdp2-returned", _fabric, FabricConfig(**{**dataclasses.asdict(ORACLE), "strategy": "fsdp2_weighted"})),
+    (
+        "fabric-fsdp2-ahead",
+        _fabric,
+        FabricConfig(**{**dataclasses.asdict(ORACLE), "strategy": "fsdp2_weighted"}, ahead=True),
+    ),
+]
+DRY_RUN = {
+    "trainer-ddp-returned",
+    "fabric-fsdp2-ahead",
+}  # on the CPU, the rest runs in tests/distributed/test_host_reads.py
+
+
+@pytest.mark.parametrize(
+    ("device", "train", "config"),
+    [
+        *(pytest.param("cuda", train, config, id=f"cuda-{name}", marks=CUDA) for name, train, config in COMBINATIONS),
+        *(
+            pytest.param("cpu", train, config, id=f"cpu-{name}")
+            for name, train, config in COMBINATIONS
+            if name in DRY_RUN
+        ),
+    ],
+)
+def test_no_microbatch_synchronizes_the_device_on_any_path(tmp_path, device, train, config):
     # CUDA: torch.cuda.set_sync_debug_mode("error") from each batch's start to the end of its backward (after DDP's
-    # bucket rebuild), so any host read of a device value raises; on CPU the same run, without the sync mode
-    config = dataclasses.replace(ORACLE, world_size=1, counter="quiet", bare_loss=True, device=device)
-    config = dataclasses.replace(config, sync_debug=device == "cuda")
-    result = fit(config, tmp_path, timeout=240)
-    assert result[0]["counts_ahead"] is True
+    # bucket rebuild), so any host read of a device value raises; on the CPU the same run, without the sync mode
+    config = dataclasses.replace(config, world_size=1, device=device, sync_debug=device == "cuda")
+    result = train(config, tmp_path)
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
 
 
 @CUDA
 def test_the_sync_check_catches_a_count_read_back_from_the_device(tmp_path):
-    # the counterpart: training_step returns its count as a CUDA tensor; the strategy reads it per microbatch
-    config = dataclasses.replace(ORACLE, world_size=1, device="cuda", sync_debug=True)
+    # the counterpart: training_step reads its own CUDA count on the host, once per microbatch
+    config = dataclasses.replace(ORACLE, world_size=1, device="cuda", sync_debug=True, read_in_step=True)
     done = fit(config, tmp_path, timeout=240, expect_failure=True)
     assert "called a synchronizing CUDA operation" in done.stdout, done.stdout[-4000:]
 

@@ -311,11 +311,11 @@ def test_an_invalid_count_becomes_the_windows_problem_and_adds_nothing():
     assert (window.items, window.problem) == (0.0, (Problem.NEGATIVE, -2.0))
 
 
-def test_several_bad_ranks_are_counted():
+def test_several_bad_ranks_are_counted_and_their_one_problem_named():
     windows = [Window(), Window(), Window()]
     windows[0].reject(Problem.NEGATIVE, -1.0)
-    windows[2].add(read_count(device(-1)))
-    with pytest.raises(ValueError, match="on 2 ranks, a microbatch's count or loss is invalid"):
+    windows[2].add(read_count(device(-2)))  # found on the device
+    with pytest.raises(ValueError, match=r"on 2 ranks, a microbatch's count is negative\. Return"):
         windows[1].finish(_sum([w.payload(r, True, CPU) for r, w in enumerate(windows)]), step=0)
 
 
@@ -347,5 +347,20 @@ def test_a_window_count_reaching_2_to_the_53_is_rejected_rather_than_rounded():
 
 
 def test_the_payload_has_one_named_slot_per_field():
-    assert WIDTH == len(Slot) == 8
-    assert [slot.name for slot in Slot] == ["ITEMS", "NEXT", "INVALID", "CODE", "VALUE", "MORE", "LOSS", "UNCUT"]
+    assert WIDTH == len(Slot) == 10
+    names = ["ITEMS", "NEXT", "INVALID", "CODE", "VALUE", "MORE", "LOSS", "UNCUT", "KIND", "KIND_SQUARED"]
+    assert [slot.name for slot in Slot] == names
+
+
+def test_one_problem_on_several_ranks_is_named_and_different_ones_are_counted():
+    same = [Window(), Window()]
+    for window in same:
+        window.reject(Problem.AUX_AFTER)
+    with pytest.raises(ValueError, match=r"on 2 ranks, training_step returned auxiliary terms \('aux'\)"):
+        same[0].finish(_sum([w.payload(r, True, CPU) for r, w in enumerate(same)]), step=0)
+    mixed = [Window(), Window(), Window()]
+    mixed[0].reject(Problem.NEGATIVE, -1.0)  # 1
+    mixed[1].reject(Problem.FRACTIONAL, 2.5)  # 7
+    mixed[2].reject(Problem.NOT_FINITE, math.inf)  # 2, and 1 + 7 = 2 · 4: the squares tell them apart
+    with pytest.raises(ValueError, match="on 3 ranks, a microbatch's count or loss is invalid"):
+        mixed[0].finish(_sum([w.payload(r, True, CPU) for r, w in enumerate(mixed)]), step=0)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 from lightning.fabric.strategies.parallel import ParallelStrategy
@@ -12,7 +13,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_weighted.counts import FABRIC, read_count
+from lightning_weighted.counts import FABRIC, Count, aux_terms, read_count
 from lightning_weighted.data import Participation, Policy, Replicas, participating, without_padding
 from lightning_weighted.engines import Engine
 from lightning_weighted.loop import WindowLoop
@@ -42,7 +43,8 @@ class WeightedFabricStrategy(ParallelStrategy):
         self._policy: Policy = participation
         self._loop: WindowLoop | None = None
         self._participation: Participation | None = None  # of the loader that gave the current batch
-        self._padding = False
+        self._padding = False  # the last batch a set-up loader yielded is a replay
+        self._replays: deque[bool] = deque()  # of the batches yielded and not backpropagated yet, oldest first
         self._windows = 0  # windows ended so far
         self._skip_step = False  # the last window had no item: optimizer steps change nothing
         self.backwards = 0  # fabric.backward calls so far
@@ -75,6 +77,28 @@ class WeightedFabricStrategy(ParallelStrategy):
             )
         self._loop = WindowLoop(engine, self.root_device, FABRIC, self.strategy_name, _SKIPPED)
 
+    def count_ahead(self, counts: Sequence[object], integer: bool = False) -> None:
+        """Hands over the counts of the next window's microbatches before its first forward (as torchtitan counts).
+
+        One SUM of them over the ranks follows (its result stays on the device), every loss of that window is then
+        scaled by ``D n / N`` before its backward, and nothing is multiplied after it: the fast path of a loop that
+        knows its window ahead. ``fabric.backward(loss)`` then takes the counts in order; a ``count=`` passed there
+        too must agree.
+
+        Args:
+            counts: one count per microbatch of the window (each as ``count=`` takes it), in order; one in host
+                memory (a batch's count before the batch moves to the device) is read there, one on a device stays.
+            integer: whether the counts must be whole numbers (examples, tokens).
+        """
+        loop = self._loop
+        if loop is None:
+            raise RuntimeError("fabric.strategy.count_ahead ran before a model was set up: call `fabric.setup` first.")
+        replays = list(self._replays)  # the window's batches were fetched: a replay among them counts 0
+        # a count in host memory is read there (taken from a batch that has not moved yet); one on a device stays
+        planned = [read_count(count, integer, host=_in_host_memory(count)) for count in counts]
+        loop.plan([Count(0.0) if k < len(replays) and replays[k] else c for k, c in enumerate(planned)])
+        self._skip_step = False
+
     def _syncs(self) -> bool:
         """Whether the coming backward reduces gradients across ranks (it does not inside ``no_backward_sync``)."""
         raise NotImplementedError
@@ -92,6 +116,7 @@ class WeightedFabricStrategy(ParallelStrategy):
         count: object = None,
         reduction: Literal["mean", "sum"] = "mean",
         window_end: bool | None = None,
+        aux: dict[str, Tensor] | None = None,
         **kwargs: Any,
     ) -> None:
         """``fabric.backward(loss, count=n)``: backpropagates ``loss`` weighted by its count within the window.
@@ -105,6 +130,9 @@ class WeightedFabricStrategy(ParallelStrategy):
             reduction: ``"mean"`` or ``"sum"``, what ``tensor`` is over the items.
             window_end: whether this backward ends the window; by default the one outside
                 ``fabric.no_backward_sync(model)`` does (``False`` keeps a syncing backward local).
+            aux: named auxiliary terms (a MoE load-balancing loss, a router z-loss), averaged as plain DDP averages
+                its losses, each microbatch of each rank alike; the window's counts must come ahead
+                (:meth:`count_ahead`).
             **kwargs: passed on to the precision plugin's backward.
         """
         loop = self._loop
@@ -118,10 +146,12 @@ class WeightedFabricStrategy(ParallelStrategy):
         if not loop.open:
             self._skip_step = False
         self.backwards += 1
-        loop.padding_step = self._padding
-        loop.add(tensor, None if count is None else read_count(count), reduction == "sum")
+        loop.padding_step = self._replays.popleft() if self._replays else False
+        terms, problem = aux_terms({"aux": aux})
+        loop.add(tensor, None if count is None else read_count(count), reduction == "sum", problem, terms)
         tensor = loop.scaled(tensor)
         if ends:
+            loop.participation = self._participation
             loop.end()
         try:
             if syncs and not ends:
@@ -131,8 +161,6 @@ class WeightedFabricStrategy(ParallelStrategy):
         finally:
             loop.engine.after_backward()
         if ends:
-            participation = self._participation
-            loop.participation = participation
             result = loop.finish(self._windows)
             self._windows += 1
             self._skip_step = result.items == 0
@@ -177,8 +205,18 @@ class WeightedFabricStrategy(ParallelStrategy):
         return super().all_reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[safe-super]
 
     def begin_batch(self, participation: Participation | None, replay: bool) -> None:
-        """Called by a set-up loader as it yields a batch (whether it is a replay), and with ``None`` at its end."""
+        """Called by a set-up loader as it yields a batch (whether it is a replay), and with ``None`` at its end.
+
+        The replays of batches yielded and not backpropagated yet are kept in order: a loop that fetches a window
+        before its first forward (``count_ahead``) learns which of its batches count 0.
+        """
+        if participation is None:
+            self._padding = False
+            return
+        if participation is not self._participation or participation.position == 0:
+            self._replays.clear()  # a new pass over a loader: what an earlier one left (evaluation) goes
         self._participation, self._padding = participation, replay
+        self._replays.append(replay)
 
     def _check_closed(self, what: str) -> None:
         if self._loop is not None and self._loop.open:
@@ -194,6 +232,10 @@ _SKIPPED = (
     "the optimizer steps after it change nothing. A loop that steps an LR scheduler can skip it when"
     " `fabric.strategy.last_window.items == 0`."
 )
+
+
+def _in_host_memory(value: object) -> bool:
+    return not isinstance(value, Tensor) or value.device.type == "cpu"
 
 
 def _ends_window(syncs: bool, window_end: bool | None, reduction: str) -> bool:
