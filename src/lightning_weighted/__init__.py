@@ -14,7 +14,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_STRATEGIES
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_weighted.audit import AuditReport, ObjectiveAudit, ObjectiveMismatchError, is_audit_rerun
-from lightning_weighted.counting import ItemCounter, count_examples, count_tokens, count_weights
+from lightning_weighted.counting import ItemCounter, count_documents, count_examples, count_tokens, count_weights
 from lightning_weighted.data import UnpaddedDistributedSampler
 from lightning_weighted.fabric import WeightedFabricDDPStrategy, WeightedFabricModelParallelStrategy
 from lightning_weighted.trainer import WeightedDDPStrategy, WeightedFSDPStrategy, WeightedModelParallelStrategy
@@ -32,6 +32,7 @@ __all__ = [
     "WeightedFabricModelParallelStrategy",
     "WeightedModelParallelStrategy",
     "WindowResult",
+    "count_documents",
     "count_examples",
     "count_tokens",
     "count_weights",

@@ -18,10 +18,10 @@ from typing_extensions import override
 from lightning_weighted.counts import imbalance
 from lightning_weighted.window import WindowResult
 
-__all__ = ["ItemCounter", "count_examples", "count_tokens", "count_weights"]
+__all__ = ["ItemCounter", "count_documents", "count_examples", "count_tokens", "count_weights"]
 
 CountFn = Callable[[Any], "int | float | Tensor"]
-Preset = Literal["examples", "tokens", "weights"]
+Preset = Literal["examples", "tokens", "weights", "documents"]
 
 
 def count_examples(batch: Any) -> int:
@@ -72,6 +72,29 @@ def count_weights(batch: Any, key: str | int) -> Tensor:
     return _select(batch, key).sum()
 
 
+def count_documents(batch: Any, key: str | int = "position_ids") -> int | Tensor:
+    """The documents of a packed batch: where ``position_ids`` restart at 0, or the spans of ``cu_seq_lens``.
+
+    A packed batch holds several sequences in one row, as Hugging Face's ``DataCollatorWithFlattening`` packs them.
+
+    Args:
+        batch: a dict or a tuple holding the positions or the boundaries.
+        key: where they sit: a key holding ``cu_seq_lens`` (any key with that in its name, as ``"cu_seq_lens_q"``)
+            is read as the cumulative lengths ``[0, l_0, l_0 + l_1, ...]``; any other as positions.
+
+    Example::
+
+        >>> count_documents({"position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])})  # 3 documents
+        tensor(3)
+        >>> count_documents({"cu_seq_lens_q": torch.tensor([0, 3, 5, 9])}, "cu_seq_lens_q")  # its length only
+        3
+    """
+    values = _select(batch, key)
+    if "cu_seq_lens" in str(key):
+        return max(values.numel() - 1, 0)
+    return (values == 0).sum()
+
+
 class ItemCounter(Callback):
     """Supplies each microbatch's item count from the batch, and logs the weighted objective of every step.
 
@@ -84,9 +107,10 @@ class ItemCounter(Callback):
 
     Args:
         count: what to count: ``"examples"`` (:func:`count_examples`), ``"tokens"`` (:func:`count_tokens`),
-            ``"weights"`` (:func:`count_weights`), or a function ``count_fn(batch) -> int | float | Tensor``, as
+            ``"weights"`` (:func:`count_weights`), ``"documents"`` of packed rows (:func:`count_documents`, ``key``
+            ``"position_ids"`` by default), or a function ``count_fn(batch) -> int | float | Tensor``, as
             ``ThroughputMonitor(batch_size_fn=...)``.
-        key: where the labels, mask or weights sit in the batch: a dict key or a tuple index.
+        key: where the labels, mask, weights or positions sit in the batch: a dict key or a tuple index.
         ignore_index: the label that marks a token the loss ignores (``"tokens"`` with labels).
         mask: whether ``key`` holds a 0/1 mask rather than labels (``"tokens"``).
         shift: count the targets of a causal LM, ``labels[..., 1:]`` (``"tokens"``).
@@ -120,8 +144,10 @@ class ItemCounter(Callback):
         log: bool = True,
         imbalance: bool = True,
     ) -> None:
-        if isinstance(count, str) and count not in ("examples", "tokens", "weights"):
-            raise ValueError(f"count={count!r} is not a preset: use 'examples', 'tokens', 'weights' or a function")
+        if isinstance(count, str) and count not in ("examples", "tokens", "weights", "documents"):
+            raise ValueError(
+                f"count={count!r} is not a preset: use 'examples', 'tokens', 'weights', 'documents' or a function"
+            )
         if count in ("tokens", "weights") and key is None:
             raise ValueError(f"count={count!r} needs `key=`, the batch key or index of the labels, mask or weights")
         self.count, self.key, self.ignore_index = count, key, ignore_index
@@ -141,6 +167,8 @@ class ItemCounter(Callback):
             return self.count(batch)
         if self.count == "examples":
             return count_examples(batch)
+        if self.count == "documents":
+            return count_documents(batch, self.key or "position_ids")
         assert self.key is not None
         if self.count == "weights":
             return count_weights(batch, self.key)

@@ -125,7 +125,7 @@ def main() -> None:
     if config.host_reads:
         spy.install()
     try:
-        model = fabric.setup_module(make_model(config.seed))  # FSDP2 shards it: the optimizer comes after
+        model = fabric.setup_module(make_model(config.seed, config.tied))  # FSDP2 shards it: the optimizer after
         optimizer = fabric.setup_optimizers(make_optimizer(config, model.parameters()))
         if config.misuse == "second_model":
             fabric.setup_module(make_model(config.seed + 1))

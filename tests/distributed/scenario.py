@@ -76,11 +76,17 @@ class Config:
     sync_debug: bool = False  # CUDA: torch.cuda.set_sync_debug_mode("error") around microbatches after step 2
     read_in_step: bool = False  # training_step reads its count on the host (a synchronisation on a GPU)
     aux: str | None = None  # auxiliary terms: "parts" returns them in "aux", "inside" adds them into "loss"
+    tied: bool = False  # a model whose first and second layers share their weight
 
 
-def make_model(seed: int) -> nn.Module:
+def make_model(seed: int, tied: bool = False) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    if not tied:
+        return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    # two layers share one weight, as a language model's embedding and output layer do (Hugging Face's GPT-2)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    model[2].weight = model[0].weight
+    return model
 
 
 def make_batches(config: Config, rank: int, epoch: int) -> list[Batch]:
@@ -169,7 +175,7 @@ class WeightedModule(LightningModule):
     def __init__(self, config: Config) -> None:
         super().__init__()
         self.config = config
-        self.model = make_model(config.seed)
+        self.model = make_model(config.seed, config.tied)
         if config.compile:
             self.model = torch.compile(self.model, backend="aot_eager")  # type: ignore[assignment]
         if config.precision == "64-true":
@@ -333,7 +339,7 @@ def windows(config: Config, epoch: int) -> list[range]:
 
 def reference(config: Config) -> dict[str, Any]:
     """Float64 single-process training on the intended objective; returns params and per-step grad norms."""
-    model = copy.deepcopy(make_model(config.seed)).double()
+    model = copy.deepcopy(make_model(config.seed, config.tied)).double()
     optimizer = make_optimizer(config, model.parameters())
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5) if config.scheduler else None
     norms, losses, items, local_items, aux_means = [], [], [], [], []

@@ -263,3 +263,14 @@ def test_an_exception_on_one_rank_mid_window_ends_every_rank_well_before_the_tim
     struck = re.search(r"FAULT raise (\d+\.\d+)", done.stdout)
     assert struck is not None, done.stdout[-4000:]
     assert done.ended - float(struck.group(1)) < config.pg_timeout  # every rank ended before the timeout
+
+
+def test_fabric_fsdp2s_default_sharding_keeps_a_tied_weight_with_the_root_and_trains_the_reference(tmp_path):
+    # two layers share one weight (a language model's embedding and output layer): sharding each on its own, as
+    # torch refuses at the first forward, is what the default leaves out
+    config = FabricConfig(strategy="fsdp2_weighted", tied=True, accumulate=2, batches=5, mode="tokens")
+    result = fabric_fit(config, tmp_path)
+    expected = reference(config)
+    assert max_relative_error(result[0]["params"], expected["params"]) < 1e-5
+    plain = fabric_fit(dataclasses.replace(config, strategy="fsdp2"), tmp_path)
+    assert max_relative_error(plain[0]["params"], expected["params"]) > 1e-2

@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 
-from lightning_weighted import ItemCounter, WindowResult
+from lightning_weighted import ItemCounter, WindowResult, count_documents, count_tokens
 from lightning_weighted.counts import Problem, read_count
 
 LABELS = torch.tensor(
@@ -80,7 +80,10 @@ def test_a_missing_key_names_what_was_found():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"count": "tokenz"}, r"count='tokenz' is not a preset: use 'examples', 'tokens', 'weights' or a function"),
+        (
+            {"count": "tokenz"},
+            r"count='tokenz' is not a preset: use 'examples', 'tokens', 'weights', 'documents' or a function",
+        ),
         ({"count": "tokens"}, r"count='tokens' needs `key=`"),
         ({"count": "weights"}, r"count='weights' needs `key=`"),
     ],
@@ -119,3 +122,16 @@ def test_its_state_round_trips_through_a_checkpoint():
     restored = ItemCounter()
     restored.load_state_dict(counter.state_dict())
     assert restored.items_total == 123.0
+
+
+def test_a_packed_batch_counts_the_tokens_and_documents_of_its_padded_twin():
+    transformers = pytest.importorskip("transformers")
+    documents = [[5, 6, 7, 8, 9], [3, 4, 5], [9, 8, 7, 6, 5, 4, 3]]
+    flat = transformers.DataCollatorWithFlattening()([{"input_ids": d} for d in documents])
+    labels = torch.full((3, 7), -100)
+    for row, document in enumerate(documents):
+        labels[row, : len(document)] = torch.tensor(document)
+    # the collator masks each document's first label: the causal shift counts every target token exactly once
+    assert count_tokens(flat, "labels", shift=True) == count_tokens({"labels": labels}, "labels", shift=True) == 12
+    assert count_documents(flat) == 3
+    assert ItemCounter("documents").count_of(flat) == 3
