@@ -26,6 +26,7 @@ __all__ = [
     "Problem",
     "Slot",
     "Wording",
+    "agreed",
     "aux_terms",
     "count_rule",
     "decode",
@@ -101,7 +102,7 @@ _MESSAGES: dict[Problem, tuple[type[Exception], str]] = {
     Problem.MISSING: (TypeError, "{source} no count"),
     Problem.DISAGREES: (
         ValueError,
-        "{source} count={value!r}, which differs from the count ItemCounter took from the same batch; make them"
+        "{source} a count ({value!r}) that differs from the one ItemCounter took from the same batch; make them"
         " agree (e.g. the causal shift, `ignore_index`), or drop one of them",
     ),
     Problem.AUX: (
@@ -223,7 +224,7 @@ def aux_terms(output: object) -> tuple[dict[str, Tensor], Problem | None]:
 
 
 def count_rule(
-    output: object, batch: Any, batch_size: Callable[[Any], int], counter: tuple[object, bool] | None = None
+    output: object, batch: Any, batch_size: Callable[[Any], int], counter: Any = None, planned: Count | None = None
 ) -> Count:
     """The one count rule: a ``"count"`` returned by ``training_step``, else a counter's, else the batch size.
 
@@ -231,7 +232,9 @@ def count_rule(
         output: what ``training_step`` returned (a dict with ``"count"``, or anything else).
         batch: the microbatch, whose size is counted when nothing else gives a count.
         batch_size: how the batch size is found (Lightning's ``extract_batch_size``).
-        counter: ``(count, integer)`` from :class:`~lightning_weighted.ItemCounter`, whose choice is explicit.
+        counter: an :class:`~lightning_weighted.ItemCounter` (``count_of(batch)`` and ``integer``), whose choice is
+            explicit; or ``(count, integer)``, already counted.
+        planned: the count taken ahead from the same batch: it stands, and a returned ``"count"`` must agree.
 
     Example::
 
@@ -240,11 +243,39 @@ def count_rule(
         >>> count_rule(torch.tensor(1.0), [0, 0, 0, 0], len)  # a bare loss: examples
         Count(value=4.0, problem=None, implicit=True)
     """
-    if isinstance(output, Mapping) and "count" in output:
-        return read_count(output["count"])
-    if counter is not None:
+    returned = isinstance(output, Mapping) and "count" in output
+    if planned is not None:
+        return agreed(output["count"], planned) if returned else planned  # type: ignore[index]
+    if returned:
+        return read_count(output["count"])  # type: ignore[index]
+    if isinstance(counter, tuple):
         return read_count(*counter)
+    if counter is not None:
+        return read_count(counter.count_of(batch), counter.integer)
     return Count(float(batch_size(batch)), implicit=True)
+
+
+def agreed(returned: object, planned: Count) -> Count:
+    """The count taken ahead, checked against one given for the same microbatch too (they must agree).
+
+    Example::
+
+        >>> agreed(4, Count(4.0))
+        Count(value=4.0, problem=None, implicit=False)
+        >>> agreed(5, Count(4.0)).problem
+        <Problem.DISAGREES: 11>
+    """
+    if planned.problem is not None:
+        return planned
+    given = read_count(returned)
+    if isinstance(given.problem, Problem):
+        return given
+    if isinstance(given.value, Tensor):  # compared on its device
+        assert isinstance(given.problem, Tensor)
+        differs = (given.value != planned.value) & (given.problem == 0)
+        problem = torch.where(differs, float(Problem.DISAGREES), given.problem)
+        return Count(torch.where(problem > 0, given.value, float(planned.value)), problem)
+    return planned if given.value == planned.value else Count(given.value, Problem.DISAGREES)
 
 
 class Slot(IntEnum):

@@ -7,18 +7,11 @@ contributes exactly nothing. The epoch ends on every rank at the same step: for 
 rank's last batch, for unsized ones (``IterableDataset``) at the first window boundary where no rank has a real
 batch left, a flag of the window's count payload. Where every rank holds as many batches, the loader is left
 exactly as it is; one that replays stays the same object (:func:`lightning_weighted._compat.extend`).
-
-**Counts ahead.** Where :class:`~lightning_weighted.ItemCounter` says how to count a batch, :class:`Lookahead`
-counts each train batch on the host as the loader yields it, before it reaches the device, and fetches a window's
-batches before its first forward. A checkpoint still saves the state of what was trained: the loader's state from
-before the first batch fetched early.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Iterator, Sized
-from itertools import islice
+from collections.abc import Iterator, Sized
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -27,10 +20,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 
 from lightning_weighted._compat import extend, rebuild_loader, set_sampler
-from lightning_weighted.counts import Count, read_count
 
 __all__ = [
-    "Lookahead",
     "Participation",
     "Replicas",
     "UnpaddedDistributedSampler",
@@ -260,87 +251,6 @@ class _Replays:
         dist.broadcast_object_list(box, src=source)
         if self.template is _END:
             self.template = box[0]
-
-
-class Lookahead:
-    """A train loader's iteration that counts each batch as it is fetched and fetches a window's batches early.
-
-    Counts are kept in the order Lightning trains the batches: :meth:`advance` hands out the count of the batch
-    about to be trained, :meth:`ahead` the counts of the batches after it, fetching them now (they are held, on the
-    host, until Lightning asks for them). A batch an exhausted rank replays counts 0. :meth:`state` is the loader's
-    state before the oldest batch still held, the state of what was trained.
-
-    Args:
-        count: how to count a batch: ``count(batch) -> (count, integer)``.
-        participation: the loader's epoch, which knows which batches are replays.
-        loader_state: the loader's ``state_dict`` (a ``StatefulDataLoader``'s), or ``None``.
-
-    Example::
-
-        >>> ahead = Lookahead(lambda batch: (len(batch), True), Participation())
-        >>> batches = ahead.iterate(iter([[1], [1, 2], [1, 2, 3]]))
-        >>> next(batches)  # Lightning fetches the first batch ...
-        [1]
-        >>> ahead.advance().value, [count.value for count in ahead.ahead(2)]  # ... trains it, looks ahead
-        (1.0, [2.0, 3.0])
-        >>> list(batches)  # the batches fetched early still come in order
-        [[1, 2], [1, 2, 3]]
-    """
-
-    def __init__(
-        self,
-        count: Callable[[Any], tuple[object, bool]],
-        participation: Participation,
-        loader_state: Callable[[], dict[str, Any]] | None = None,
-    ) -> None:
-        self.count, self.participation, self.loader_state = count, participation, loader_state
-        self.epoch = 0  # how many times the loader was iterated: a plan of an earlier pass is stale
-        self._source: Iterator[Any] = iter(())
-        self._held: deque[tuple[Any, dict[str, Any] | None]] = deque()  # fetched early, with the state before it
-        self._counts: deque[Count] = deque()  # counts of the batches fetched and not trained yet
-        self._fetched = 0
-
-    def iterate(self, iterator: Iterator[Any]) -> Iterator[Any]:
-        """The batches of one pass over the loader (a stage of :func:`lightning_weighted._compat.extend`)."""
-        self.epoch += 1
-        self._source, self._fetched = iterator, 0
-        self._held.clear()
-        self._counts.clear()
-        return self._batches(self.epoch)
-
-    def _batches(self, epoch: int) -> Iterator[Any]:
-        while epoch == self.epoch:
-            item = self._held.popleft()[0] if self._held else self._fetch()
-            if item is _END:
-                return
-            yield item
-
-    def advance(self) -> Count:
-        """The count of the batch Lightning is about to train (the oldest one fetched and not trained yet)."""
-        return self._counts.popleft()
-
-    def ahead(self, size: int) -> list[Count]:
-        """The counts of the ``size`` batches after the current one (fewer where the loader ends), fetched now."""
-        while len(self._counts) < size:
-            state = self.loader_state() if self.loader_state is not None else None
-            item = self._fetch()
-            if item is _END:
-                break
-            self._held.append((item, state))
-        return list(islice(self._counts, size))
-
-    def state(self) -> dict[str, Any] | None:
-        """The loader's state before the oldest batch fetched early and not yet handed out (``None``: none held)."""
-        return self._held[0][1] if self._held else None
-
-    def _fetch(self) -> Any:
-        item = next(self._source, _END)
-        if item is not _END:
-            real = self.participation.real
-            replay = real is not None and self._fetched >= real
-            self._counts.append(Count(0.0) if replay else read_count(*self.count(item), host=True))
-            self._fetched += 1
-        return item
 
 
 def _has_len(loader: Any) -> bool:

@@ -5,24 +5,23 @@ The Trainer and Fabric integrations drive one :class:`WindowLoop` each, and hold
 1. :meth:`WindowLoop.add` (or :meth:`~WindowLoop.add_output`, for what ``training_step`` returned) records a
    microbatch's loss and count in the window (:mod:`lightning_weighted.window`) and keeps its loss factor;
 2. :meth:`WindowLoop.scaled` is the loss to backpropagate: times the factor, or the engine's exact zero;
-3. :meth:`WindowLoop.end` starts the window's one exchange right before the backward that ends it: an asynchronous
-   float64 SUM of every rank's payload (:class:`~lightning_weighted.counts.Slot`) over the data-parallel ranks,
-   which overlaps that backward;
+3. :meth:`WindowLoop.end` starts the window's one :class:`Exchange` right before the backward that ends it: an
+   asynchronous float64 SUM of every rank's payload (:class:`~lightning_weighted.counts.Slot`) over the
+   data-parallel ranks, which overlaps that backward;
 4. :meth:`WindowLoop.finish`, after it, waits for the SUM; where the counts came after the forwards it multiplies
    the reduced gradients by :math:`D c / N` on the device (one fused pass), then reads the SUM on the host, the
    step's one read of a device value, and decides, the same on every rank: the error, or the step, or no step at
    all where :math:`N = 0` (every gradient dropped, so no optimizer changes a parameter or its state).
 
-Counts ahead (:class:`Planner`): each window's counts are taken from its batches before its first forward, so
-every factor is :math:`D n / N` and nothing is multiplied afterwards; the exchange carries the next window's counts,
-whose :math:`N` reaches the host with the read. An epoch's first window sums its own with one all-reduce at its
-first batch, whose result stays on the device.
+Counts ahead (:mod:`lightning_weighted.ahead`): each window's counts are known before its first forward, so every
+factor is :math:`D n / N` and nothing is multiplied afterwards; the exchange carries the next window's counts, whose
+:math:`N` reaches the host with the read.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -31,77 +30,38 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_weighted._compat import multiply
-from lightning_weighted.counts import (
-    WIDTH,
-    Count,
-    Problem,
-    Slot,
-    Wording,
-    aux_terms,
-    count_rule,
-    read_count,
-    split_output,
-)
-from lightning_weighted.data import Lookahead, Participation
+from lightning_weighted.ahead import Planner, summed
+from lightning_weighted.counts import WIDTH, Count, Problem, Slot, Wording, agreed, aux_terms, count_rule, split_output
+from lightning_weighted.data import Participation
 from lightning_weighted.engines import Engine
 from lightning_weighted.window import Window, WindowResult
 
-__all__ = ["Planner", "WindowLoop"]
-
+__all__ = ["Exchange", "LoopResults", "WindowLoop"]
 
 _SKIPPED = "the optimizer and step-interval LR schedulers were not stepped."
 
 
-class Planner:
-    """Counts ahead: plans each window from the counts of its batches, which a :class:`~.data.Lookahead` takes.
+class Exchange:
+    """A window's payload summed over ``group``, started at once without waiting; read on the host once.
 
-    Args:
-        lookahead: the train loader's lookahead.
-        size_at: how many batches the window that would start at a given ``batch_idx`` holds.
-        divisor: :math:`D` of the engine.
-        group: the ranks the counts are summed over.
-        device: where the gradients live.
+    This rank's own items travel along, outside the SUM, so that one read brings both.
     """
 
-    def __init__(
-        self,
-        lookahead: Lookahead,
-        size_at: Callable[[int], int],
-        divisor: int,
-        group: dist.ProcessGroup | None,
-        device: torch.device,
-    ) -> None:
-        self.lookahead, self.size_at, self.divisor, self.group, self.device = lookahead, size_at, divisor, group, device
-        self.window: Window | None = None  # the window in progress, its N known
-        self.count = Count(0.0)  # the planned count of the batch in progress
-        self._batch_idx = 0
-        self._epoch = 0  # the loader pass `window` belongs to
-        self._following = 0  # the microbatches of the next window, planned at this window's end
+    def __init__(self, payload: Tensor, group: dist.ProcessGroup | None) -> None:
+        self.vector = torch.cat([payload, payload[Slot.ITEMS : Slot.ITEMS + 1]])
+        self.work = dist.all_reduce(self.vector[:WIDTH], group=group, async_op=True)
 
-    def begin_batch(self, batch_idx: int) -> Window:
-        """Takes the count of the batch about to be trained; returns its window (planned now at an epoch's first)."""
-        self.count, self._batch_idx = self.lookahead.advance(), batch_idx
-        if self.window is None or self._epoch != self.lookahead.epoch:
-            counts = [self.count, *self.lookahead.ahead(self.size_at(batch_idx) - 1)]
-            total = torch.tensor([_items(counts)], dtype=torch.float64, device=self.device)
-            dist.all_reduce(total, group=self.group)  # on a GPU the stream waits, not the host
-            self.window, self._epoch = self._window(total[0], len(counts)), self.lookahead.epoch
-        return self.window
+    def items(self) -> Tensor:
+        """``N``, on the device (the device's stream waits for the SUM, not the host)."""
+        assert self.work is not None
+        self.work.wait()
+        return self.vector[Slot.ITEMS]
 
-    def plan_following(self) -> float:
-        """Plans the window after the one in progress, at its last microbatch; returns this rank's items in it."""
-        size = self.size_at(self._batch_idx + 1)
-        counts = self.lookahead.ahead(size) if size > 0 else []
-        self._following = len(counts)
-        return _items(counts)
-
-    def received(self, total: float) -> None:
-        """Takes the next window's ``N`` from the exchange that ended the window in progress."""
-        self.window = self._window(total, self._following) if self._following else None
-        self._following = 0
-
-    def _window(self, total: float | Tensor, size: int) -> Window:
-        return Window(total=total, divisor=self.divisor, shares=dist.get_world_size(self.group) * size)
+    def read(self) -> list[float]:
+        """The summed payload, then this rank's items (``WIDTH + 1`` values): the one host read."""
+        self.items()
+        values: list[float] = self.vector.tolist()
+        return values
 
 
 class WindowLoop:
@@ -116,10 +76,11 @@ class WindowLoop:
 
     Attributes:
         participation: the train loader's epoch, where ranks may run out of data (``None``: every rank has data).
-        planner: counts ahead, when the batches are counted before their forward.
+        planner: counts ahead, where the batches are counted before their forward.
         last_window: the result of the last window.
         skipped_steps: how many windows had no item (``N = 0``) and changed nothing.
         padding_step: the microbatch in progress is a replay of an exhausted rank (it counts 0).
+        factor, aux: the microbatch in progress's loss factor and weighted auxiliary terms (``None``: none).
     """
 
     def __init__(
@@ -130,13 +91,12 @@ class WindowLoop:
         self.participation: Participation | None = None
         self.planner: Planner | None = None
         self.last_window: WindowResult | None = None
-        self.skipped_steps = 0
-        self.padding_step = False
-        self.factor: float | Tensor = 0.0  # the loss factor of the microbatch in progress
-        self.aux: Tensor | None = None  # its auxiliary terms, weighted, added to the loss it backpropagates
+        self.skipped_steps, self.padding_step = 0, False
+        self.factor: float | Tensor = 0.0
+        self.aux: Tensor | None = None
         self._window: Window | None = None
         self._planned: deque[Count] = deque()  # counts handed over ahead for the window in progress (`plan`)
-        self._exchange: tuple[Tensor, Any] | None = None
+        self._exchange: Exchange | None = None
         # c of the next window counted after: 1, or the size of one microbatch's count where losses stay mean-sized
         self._reference: float | Tensor | None = None if engine.mean_sized else 1.0
         self._microbatches = 0
@@ -153,33 +113,20 @@ class WindowLoop:
 
     def begin_batch(self, batch_idx: int) -> None:
         """Notes the next batch of the train loader: whether it is a replay, and (counts ahead) its window."""
-        participation = self.participation
-        self.padding_step = participation is not None and participation.begin_batch(batch_idx)
+        self.padding_step = self.participation is not None and self.participation.begin_batch(batch_idx)
         if self.planner is not None:
             self._window = self.planner.begin_batch(batch_idx)
 
     def plan(self, counts: list[Count]) -> None:
-        """Counts the next window ahead, from its microbatches' counts: one SUM now, whose result stays on the device.
+        """Counts the next window ahead from its microbatches' counts: one SUM now, left on the device.
 
-        Every loss of the window is then scaled by :math:`D n / N` before its backward, and nothing is multiplied
-        after it; :meth:`add` takes the counts in order.
+        Every loss of the window is then scaled by :math:`D n / N` before its backward; :meth:`add` takes the
+        counts in order.
         """
         if self._window is not None:
-            raise RuntimeError(
-                "the counts of a window were handed over while a window is open: hand them over before the"
-                " window's first backward, once per window"
-            )
-        total = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for count in counts:
-            if isinstance(count.problem, Problem):
-                continue  # its problem is reported at the window's end, where `add` meets it
-            if isinstance(count.problem, Tensor):  # a count on the device, checked there
-                total += torch.where(count.problem == 0, count.value, 0.0)
-            else:
-                total += count.value
-        dist.all_reduce(total, group=self.engine.group)  # on a GPU the stream waits, not the host
-        shares = self.ranks * len(counts)
-        self._window = Window(total=total[0], divisor=self.engine.divisor, shares=shares)
+            raise RuntimeError("a window's counts were handed over while a window is open: once per window, first")
+        total = summed(counts, self.device, self.engine.group)
+        self._window = Window(total=total, divisor=self.engine.divisor, shares=self.ranks * len(counts))
         self._planned = deque(counts)
 
     def add_output(self, output: Any, batch: Any, batch_size: Callable[[Any], int], counter: Any = None) -> Any:
@@ -193,12 +140,8 @@ class WindowLoop:
         if loss is None and not self.padding_step:
             self.add(None, None, False)
             return {"loss": self._refused(None)}  # Lightning proceeds; every rank raises at the window's end
-        if self.planner is not None:
-            count: Count | None = _agreed(output, self.planner.count)
-        else:
-            counted = None if counter is None else (counter.count_of(batch), counter.integer)
-            count = count_rule(output, batch, batch_size, counted)
-        self.add(loss, count, item_sum, problem or aux_problem, aux)
+        planned = self.planner.count if self.planner is not None else None
+        self.add(loss, count_rule(output, batch, batch_size, counter, planned), item_sum, problem or aux_problem, aux)
         return output
 
     def add(
@@ -209,25 +152,19 @@ class WindowLoop:
         problem: Problem | None = None,
         aux: dict[str, Tensor] | None = None,
     ) -> None:
-        """Records one microbatch's loss, count and auxiliary terms; :attr:`factor` is then its loss factor.
-
-        Auxiliary terms are averaged as plain DDP averages its losses, each microbatch of each rank alike
-        (:meth:`~lightning_weighted.window.Window.aux_factor`), where the window was counted ahead.
-        """
+        """Records one microbatch's loss, count and auxiliary terms: sets :attr:`factor` and :attr:`aux`."""
         if self._reference is None:
-            self._reference = self._first_reference(None if self.padding_step else count)
+            self._reference = _first_reference(None if self.padding_step else count, self.device, self.engine.group)
         window = self.window()
         self._microbatches += 1
         self.factor, self.aux = 0.0, None
         if self.padding_step:
             return  # a replay of an exhausted rank contributes nothing
-        if problem is None:
-            problem = Problem.NO_LOSS if loss is None else Problem.NO_GRAPH if loss.grad_fn is None else None
         if self._planned:  # counted ahead: the planned count, which a count given here must agree with
             planned = self._planned.popleft()
-            count = planned if count is None else _agreed({"count": count.value}, planned)
-        if problem is None and count is None:
-            problem = Problem.MISSING
+            count = planned if count is None else agreed(count.value, planned)
+        if problem is None:
+            problem = Problem.NO_LOSS if loss is None else Problem.NO_GRAPH if loss.grad_fn is None else None
         if problem is not None or count is None:
             window.reject(problem or Problem.MISSING)
             return
@@ -246,9 +183,9 @@ class WindowLoop:
         return self._window
 
     def scaled(self, loss: Tensor, multiplier: float = 1.0) -> Tensor:
-        """The loss to backpropagate: ``loss · factor · multiplier``, or the engine's exact zero for a factor 0.
+        """The loss to backpropagate: ``loss · factor · multiplier``, plus the microbatch's weighted auxiliary terms.
 
-        Plus the microbatch's weighted auxiliary terms, if it has any.
+        A factor 0 gives the engine's exact zero instead of the product.
         """
         factor = self.factor
         if isinstance(factor, Tensor):  # a count on the device: never compared on the host
@@ -256,20 +193,16 @@ class WindowLoop:
         elif factor == 0:
             scaled = self._refused(loss) if loss.grad_fn is None else self.engine.empty(loss)
         else:
-            scale = factor * multiplier
-            scaled = loss if scale == 1 else loss * scale
+            scaled = loss if factor * multiplier == 1 else loss * (factor * multiplier)
         return scaled if self.aux is None else scaled + self.aux
 
     def end(self) -> None:
         """Starts the window's exchange; runs right before the backward that ends the window (once per window)."""
-        if self._exchange is not None:
-            return
-        more = self.participation is None or self.participation.has_more()
-        following = self.planner.plan_following() if self.planner is not None else 0.0
-        payload = self.window().payload(self.rank, more, self.device, following)
-        vector = torch.cat([payload, payload[Slot.ITEMS : Slot.ITEMS + 1]])  # this rank's items, read along
-        work = dist.all_reduce(vector[:WIDTH], group=self.engine.group, async_op=True)
-        self._exchange = (vector, work)
+        if self._exchange is None:
+            more = self.participation is None or self.participation.has_more()
+            following = self.planner.plan_following() if self.planner is not None else 0.0
+            payload = self.window().payload(self.rank, more, self.device, following)
+            self._exchange = Exchange(payload, self.engine.group)
 
     def finish(self, step: int, backward: bool = True) -> WindowResult:
         """Ends the window after its last backward: brings ``N`` to the gradients and decides, on every rank alike.
@@ -284,112 +217,114 @@ class WindowLoop:
         """
         self.end()
         window, self._window, self._planned = self.window(), None, deque()
-        assert self._exchange is not None
-        (vector, work), self._exchange = self._exchange, None
-        work.wait()  # on a GPU the stream waits, not the host
+        exchange, self._exchange = self._exchange, None
+        assert exchange is not None
         if backward and not window.ahead:
-            items = vector[Slot.ITEMS]
-            scale = torch.where(items > 0, (self.engine.divisor * window.reference) / items, 0.0)
-            _multiply(self.engine.parameters(), scale)
-        values: list[float] = vector.tolist()  # the one read of the step
-        result = self.last_window = window.finish(values, step, self.wording, self.ranks)
+            items = exchange.items()
+            scale = torch.where(items > 0, self.engine.divisor / items, 0.0)  # D c / N, with c = window.reference
+            multiply_gradients(self.engine.parameters(), scale, window.reference)
+        result = self.last_window = window.finish(exchange.read(), step, self.wording, self.ranks)
         if self.participation is not None:
             self.participation.after_window(result.ranks_with_more, self.device, self.engine.group)
         if self.planner is not None:
             self.planner.received(result.following)
         if result.uncut and result.items > 0 and backward:
-            self._check_uncut(result)
+            _check_uncut(self.engine, result.uncut, self.device)
         if self.engine.mean_sized and result.items > 0:
             self._reference = result.items / (self.ranks * max(self._microbatches, 1))
         self._microbatches = 0
-        if result.items > 0 or not backward:
-            return result
-        for param in self.engine.parameters():
-            param.grad = None  # without gradients no torch optimizer touches a parameter or its state
-        self.skipped_steps += 1
-        rank_zero_warn(f"The global item count of the window ending at step {step} is 0: {self.skipped}")
+        if result.items == 0 and backward:
+            for param in self.engine.parameters():
+                param.grad = None  # without gradients no torch optimizer touches a parameter or its state
+            self.skipped_steps += 1
+            rank_zero_warn(f"The global item count of the window ending at step {step} is 0: {self.skipped}")
         return result
-
-    def _first_reference(self, count: Count | None) -> Tensor:
-        """C of the first window of mean-sized losses: the largest first count over the ranks (one all-reduce, once).
-
-        Later windows take c from the window before, known on the host by then.
-        """
-        first = torch.zeros((), dtype=torch.float64, device=self.device)
-        if count is not None and not isinstance(count.problem, Problem):
-            first = first + count.value
-            if isinstance(count.problem, Tensor):  # a count on the device, checked there
-                first = torch.where(count.problem == 0, first, 0.0)
-        dist.all_reduce(first, op=dist.ReduceOp.MAX, group=self.engine.group)
-        return torch.where(first > 0, first, 1.0)
-
-    def _check_uncut(self, result: WindowResult) -> None:
-        """Raises on every rank where a microbatch counted 0 on the device put non-finite values into the gradients.
-
-        Its count stayed on the device, so its loss was multiplied by 0 rather than cut out of the graph: exact for
-        a loss whose gradient is finite where nothing is counted (PyTorch's losses with ``ignore_index`` or weights
-        are), NaN for a mean that divides by the count (0/0).
-        """
-        flag = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for param in self.engine.parameters():
-            grad = param.grad
-            if grad is not None:
-                local = grad.to_local() if hasattr(grad, "to_local") else grad
-                flag += (~torch.isfinite(local)).any()
-        dist.all_reduce(flag, group=self.engine.group)
-        if flag.item() == 0:
-            return
-        raise RuntimeError(
-            f"On {result.uncut} rank(s), a microbatch whose count is 0 has a non-finite loss (the mean of a fully"
-            " masked batch, 0/0), and its backward put NaN into the gradients; nothing was stepped. Its count was a"
-            " tensor, which the strategy does not read on the host (a device synchronisation), so it multiplied the"
-            " loss by 0 instead of cutting it out of the graph. Make the mean finite where nothing is counted"
-            " (divide by `n.clamp(min=1)`, or use `F.cross_entropy(..., ignore_index=-100)`, whose gradient is then"
-            " 0), return the count as a Python number, or count with `ItemCounter`."
-        )
 
     def _refused(self, loss: Tensor | None) -> Tensor:
         """A zero loss for a microbatch that cannot be weighted; raises where the engine needs the model's graph."""
         if self.engine.needs_graph:
-            what = "None" if loss is None else "a loss that is not attached to the graph"
-            raise RuntimeError(
-                f"On rank {dist.get_rank()}, {self.wording.source} {what}. Under {self.name} every rank runs each"
-                " microbatch's backward through the sharded model, whose collectives the other ranks wait in: give"
-                " the loss of the model's forward (with a count of 0 for a microbatch that holds no item)."
-            )
+            raise RuntimeError(_NEEDS_GRAPH.format(dist.get_rank(), self.wording.source, _what(loss), self.name))
         return self.engine.empty(loss)
 
 
-def _agreed(output: Any, planned: Count) -> Count:
-    """The planned count, checked against a ``"count"`` that ``training_step`` still returns (they must agree)."""
-    if not isinstance(output, Mapping) or "count" not in output or planned.problem is not None:
-        return planned
-    returned = read_count(output["count"])
-    if isinstance(returned.problem, Problem):
-        return returned
-    if isinstance(returned.value, Tensor):
-        assert isinstance(returned.problem, Tensor)
-        differs = (returned.value != planned.value) & (returned.problem == 0)
-        problem = torch.where(differs, float(Problem.DISAGREES), returned.problem)
-        return Count(torch.where(problem > 0, returned.value, float(planned.value)), problem)
-    return planned if returned.value == planned.value else Count(returned.value, Problem.DISAGREES)
+class LoopResults:
+    """What a weighted strategy tells of its loop of windows, Trainer and Fabric alike."""
+
+    _loop: WindowLoop | None
+
+    @property
+    def skipped_steps(self) -> int:
+        """Windows whose global ``N`` was 0: optimizer steps that changed nothing."""
+        return self._loop.skipped_steps if self._loop is not None else 0
+
+    @property
+    def last_window(self) -> WindowResult | None:
+        """The result of the last window."""
+        return self._loop.last_window if self._loop is not None else None
 
 
-def _items(counts: Iterable[Count]) -> float:
-    """The items of valid planned counts (a host count each)."""
-    return sum(c.value for c in counts if c.problem is None and isinstance(c.value, float))
+_NEEDS_GRAPH = (
+    "On rank {}, {} {}. Under {} every rank runs each microbatch's backward through the sharded model, whose"
+    " collectives the other ranks wait in: give the loss of the model's forward (with a count of 0 for a microbatch"
+    " that holds no item)."
+)
 
 
-def _multiply(parameters: Iterable[Tensor], factor: Tensor) -> None:
-    """Multiplies every local gradient (a shard, for a sharded parameter) by ``factor``, one fused pass per dtype."""
+def _what(loss: Tensor | None) -> str:
+    return "None" if loss is None else "a loss that is not attached to the graph"
+
+
+def multiply_gradients(parameters: Iterable[Tensor], factor: Tensor, reference: float | Tensor = 1.0) -> None:
+    """Multiplies every local gradient (a shard, for a sharded parameter) by ``factor · reference``.
+
+    One fused pass per device and dtype.
+    """
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for param in parameters:
         grad = param.grad
-        if grad is None:
-            continue
-        local = grad.to_local() if hasattr(grad, "to_local") else grad
-        if local.numel():
-            groups.setdefault((local.device, local.dtype), []).append(local)
+        if grad is not None:
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            if local.numel():
+                groups.setdefault((local.device, local.dtype), []).append(local)
     with torch.no_grad():
         for grads in groups.values():
-            multiply(grads, factor)
+            multiply(grads, factor * reference)
+
+
+def _first_reference(count: Count | None, device: torch.device, group: dist.ProcessGroup | None) -> Tensor:
+    """C of the first window of mean-sized losses: the largest first count over the ranks (one all-reduce, once).
+
+    Later windows take c from the window before, known on the host by then.
+    """
+    first = torch.zeros((), dtype=torch.float64, device=device)
+    if count is not None and not isinstance(count.problem, Problem):
+        first = first + count.value
+        if isinstance(count.problem, Tensor):  # a count on the device, checked there
+            first = torch.where(count.problem == 0, first, 0.0)
+    dist.all_reduce(first, op=dist.ReduceOp.MAX, group=group)
+    return torch.where(first > 0, first, 1.0)
+
+
+def _check_uncut(engine: Engine, ranks: int, device: torch.device) -> None:
+    """Raises on every rank where a microbatch counted 0 on the device put non-finite values into the gradients.
+
+    Its count stayed on the device, so its loss was multiplied by 0 rather than cut out of the graph: exact for a
+    loss whose gradient is finite where nothing is counted (PyTorch's losses with ``ignore_index`` or weights are),
+    NaN for a mean that divides by the count (0/0).
+    """
+    flag = torch.zeros(1, dtype=torch.float64, device=device)
+    for param in engine.parameters():
+        grad = param.grad
+        if grad is not None:
+            flag += (~torch.isfinite(grad.to_local() if hasattr(grad, "to_local") else grad)).any()
+    dist.all_reduce(flag, group=engine.group)
+    if flag.item() == 0:
+        return
+    raise RuntimeError(
+        f"On {ranks} rank(s), a microbatch whose count is 0 has a non-finite loss (the mean of a fully masked batch,"
+        " 0/0), and its backward put NaN into the gradients; nothing was stepped. Its count was a tensor, which the"
+        " strategy does not read on the host (a device synchronisation), so it multiplied the loss by 0 instead of"
+        " cutting it out of the graph. Make the mean finite where nothing is counted (divide by `n.clamp(min=1)`,"
+        " or use `F.cross_entropy(..., ignore_index=-100)`, whose gradient is then 0), return the count as a Python"
+        " number, or count with `ItemCounter`."
+    )

@@ -201,26 +201,7 @@ class Window:
         if device.type == "cuda":
             vector = vector.pin_memory()  # a pinned, non-blocking copy keeps the host from waiting
         vector = vector.to(device, non_blocking=True)
-        parts = dict(self._device)
-        if Slot.UNCUT in parts:
-            parts[Slot.UNCUT] = (parts[Slot.UNCUT] > 0).double()
-        items = parts.get(Slot.ITEMS)
-        if items is not None:
-            total = items + self.items
-            too_large = total >= MAX_ITEMS
-            first = parts.get(Slot.CODE, torch.zeros((), dtype=torch.float64, device=items.device))
-            offending = torch.where(too_large, total, 0.0)
-            parts[Slot.VALUE] = torch.where(first > 0, parts.get(Slot.VALUE, 0.0), offending)
-            parts[Slot.CODE] = torch.where(first > 0, first, torch.where(too_large, float(Problem.TOO_LARGE), 0.0))
-        problem_code = parts.pop(Slot.CODE, None)
-        if problem_code is not None:
-            if self.problem is None:  # one problem per rank: the host's, if it found one
-                parts[Slot.INVALID] = (problem_code > 0).double()
-                parts[Slot.CODE] = torch.where(problem_code > 0, problem_code + code(rank, 0), 0.0)
-                parts[Slot.KIND], parts[Slot.KIND_SQUARED] = problem_code, problem_code * problem_code
-            else:
-                parts.pop(Slot.VALUE, None)
-        for slot, part in parts.items():
+        for slot, part in _device_fields(self._device, self.items, self.problem is not None, rank).items():
             vector[slot] += part.to(device)
         return vector
 
@@ -241,3 +222,28 @@ class Window:
         return WindowResult(
             step, items, summed[WIDTH], loss, total.ranks_with_more, ranks, total.following, total.uncut
         )
+
+
+def _device_fields(parts: dict[Slot, Tensor], items: float, host_problem: bool, rank: int) -> dict[Slot, Tensor]:
+    """The payload's fields that live on a device: items, the first problem found there, the loss, the flag.
+
+    A rank reports one problem: the one found on the host (``host_problem``) if there is one.
+    """
+    fields = dict(parts)
+    if Slot.UNCUT in fields:
+        fields[Slot.UNCUT] = (fields[Slot.UNCUT] > 0).double()
+    counted = fields.get(Slot.ITEMS)
+    if counted is not None:
+        total = counted + items
+        too_large = total >= MAX_ITEMS
+        first = fields.get(Slot.CODE, torch.zeros((), dtype=torch.float64, device=counted.device))
+        fields[Slot.VALUE] = torch.where(first > 0, fields.get(Slot.VALUE, 0.0), torch.where(too_large, total, 0.0))
+        fields[Slot.CODE] = torch.where(first > 0, first, torch.where(too_large, float(Problem.TOO_LARGE), 0.0))
+    problem = fields.pop(Slot.CODE, None)
+    if problem is not None and host_problem:
+        fields.pop(Slot.VALUE, None)
+    elif problem is not None:
+        fields[Slot.INVALID] = (problem > 0).double()
+        fields[Slot.CODE] = torch.where(problem > 0, problem + code(rank, 0), 0.0)
+        fields[Slot.KIND], fields[Slot.KIND_SQUARED] = problem, problem * problem
+    return fields

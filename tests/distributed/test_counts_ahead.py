@@ -115,7 +115,7 @@ def test_one_payload_per_step_beyond_the_epochs_first_count(tmp_path):
         # training_step returns a count that disagrees with ItemCounter's on rank 1 only
         (
             {"bare_loss": False, "bad_count": [1, 3, 99]},
-            "ValueError: on rank 1, training_step returned count=99.0, which differs from the count ItemCounter",
+            "ValueError: on rank 1, training_step returned a count (99.0) that differs from the one ItemCounter",
         ),
         # found once the window's counts were summed: the window's payload brings them
         ({"fault": ["none", 1, 3]}, "RuntimeError: on rank 1, training_step returned None instead of a loss"),

@@ -40,5 +40,5 @@ def test_a_returned_count_that_disagrees_with_item_counter_is_an_error_on_every_
     # ItemCounter counts examples ahead, training_step returns its token count: the window's N holds the former
     config = Config(strategy="ddp_weighted", counter="examples", mode="tokens")
     done = fit(config, tmp_path, timeout=90, expect_failure=True)
-    message = "ValueError: on 2 ranks, a microbatch's count or loss is invalid"
+    message = "ValueError: on 2 ranks, training_step returned a count that differs from the one ItemCounter took"
     assert done.stdout.count(message) == 2, done.stdout[-3000:]

@@ -119,7 +119,7 @@ def test_counted_ahead_masked_microbatches_exhausted_ranks_and_empty_windows_con
         # found after the window's counts were summed: the flag rides in the handover, the details follow
         (
             {"counter": "quiet", "bad_count": [1, 3, 99]},
-            "ValueError: on rank 1, training_step returned count=99.0, which differs from the count ItemCounter",
+            "ValueError: on rank 1, training_step returned a count (99.0) that differs from the one ItemCounter",
         ),
     ],
 )

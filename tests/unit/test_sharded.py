@@ -15,7 +15,7 @@ from torch import nn
 import lightning_weighted
 from lightning_weighted import WeightedFSDPStrategy, WeightedModelParallelStrategy
 from lightning_weighted.engines.fsdp2 import FSDP2Engine, data_parallel_group, shard_blocks
-from lightning_weighted.loop import _multiply
+from lightning_weighted.loop import multiply_gradients
 
 NAMES = {"fsdp2_weighted": WeightedModelParallelStrategy, "fsdp_weighted": WeightedFSDPStrategy}
 
@@ -95,7 +95,7 @@ def test_on_one_rank_gradients_are_item_sums_and_an_empty_microbatch_contributes
     engine.after_backward()
     for param, whole in zip(reference.parameters(), model.parameters(), strict=True):
         assert torch.equal(whole.grad.full_tensor(), param.grad)  # unchanged: it accumulated exact zeros
-    _multiply(model.parameters(), torch.tensor(0.25, dtype=torch.float64))  # the loop's D·c/N on the shards
+    multiply_gradients(model.parameters(), torch.tensor(0.25, dtype=torch.float64))  # D·c/N, on the shards
     for param, whole in zip(reference.parameters(), model.parameters(), strict=True):
         assert torch.equal(whole.grad.full_tensor(), param.grad / 4.0)
 

@@ -291,7 +291,7 @@ def test_split_output_finds_the_loss_and_whether_it_is_an_item_sum():
         (Problem.TOO_LARGE, 1e20, ValueError, r"on rank 1, the window's count reaches 2\*\*53 \(1e\+20\)"),
         (Problem.REDUCTION, math.nan, ValueError, r"on rank 1, training_step returned a 'reduction' that is"),
         (Problem.MISSING, math.nan, TypeError, r"on rank 1, training_step returned no count"),
-        (Problem.DISAGREES, 99.0, ValueError, r"on rank 1, training_step returned count=99\.0, which differs"),
+        (Problem.DISAGREES, 99.0, ValueError, r"on rank 1, training_step returned a count \(99\.0\) that differs"),
     ],
 )
 def test_one_bad_rank_gives_the_same_error_naming_rank_value_and_fix_everywhere(problem, value, error, match):

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from lightning.fabric.strategies.parallel import ParallelStrategy
@@ -16,23 +15,21 @@ from typing_extensions import override
 from lightning_weighted.counts import FABRIC, Count, aux_terms, read_count
 from lightning_weighted.data import Participation, Policy, Replicas, participating, without_padding
 from lightning_weighted.engines import Engine
-from lightning_weighted.loop import WindowLoop
-from lightning_weighted.window import WindowResult
+from lightning_weighted.fabric._batches import FabricLoader, Yielded
+from lightning_weighted.loop import LoopResults, WindowLoop
 
-__all__ = ["FabricLoader", "WeightedFabricStrategy"]
+__all__ = ["WeightedFabricStrategy"]
 
 
-class WeightedFabricStrategy(ParallelStrategy):
+class WeightedFabricStrategy(LoopResults, ParallelStrategy):
     """The hooks of a weighted Fabric strategy, each a call into one :class:`~lightning_weighted.loop.WindowLoop`.
 
     A strategy puts it before its Fabric strategy (``class S(WeightedFabricStrategy, DDPStrategy)``), builds its
     engine when the model is set up (:meth:`_start`), and says whether a backward syncs (:meth:`_syncs`) and how to
     keep a syncing backward local (:meth:`_local`).
 
-    Attributes:
-        skipped_steps: windows whose global ``N`` was 0 (their ``optimizer.step()`` calls are skipped).
-        padding_step: the batch in progress is a replay of a rank whose data ran out (it counts 0).
-        last_window: the result of the last window.
+    After a window whose global ``N`` was 0 the ``optimizer.step()`` calls are skipped (``skipped_steps``);
+    ``last_window`` is the result of the last window.
     """
 
     strategy_name: str
@@ -42,24 +39,14 @@ class WeightedFabricStrategy(ParallelStrategy):
         Participation(participation)  # checks the policy now, where the user passed it
         self._policy: Policy = participation
         self._loop: WindowLoop | None = None
-        self._participation: Participation | None = None  # of the loader that gave the current batch
-        self._padding = False  # the last batch a set-up loader yielded is a replay
-        self._replays: deque[bool] = deque()  # of the batches yielded and not backpropagated yet, oldest first
+        self._yielded = Yielded()
         self._windows = 0  # windows ended so far
         self._skip_step = False  # the last window had no item: optimizer steps change nothing
-        self.backwards = 0  # fabric.backward calls so far
-
-    @property
-    def skipped_steps(self) -> int:
-        return self._loop.skipped_steps if self._loop is not None else 0
 
     @property
     def padding_step(self) -> bool:
-        return self._padding
-
-    @property
-    def last_window(self) -> WindowResult | None:
-        return self._loop.last_window if self._loop is not None else None
+        """The batch the loader yielded last is a replay of a rank whose data ran out (it counts 0)."""
+        return self._yielded.padding
 
     @property
     @override
@@ -78,25 +65,17 @@ class WeightedFabricStrategy(ParallelStrategy):
         self._loop = WindowLoop(engine, self.root_device, FABRIC, self.strategy_name, _SKIPPED)
 
     def count_ahead(self, counts: Sequence[object], integer: bool = False) -> None:
-        """Hands over the counts of the next window's microbatches before its first forward (as torchtitan counts).
+        """Hands over the counts of the next window's microbatches, in order, before its first forward.
 
-        One SUM of them over the ranks follows (its result stays on the device), every loss of that window is then
-        scaled by ``D n / N`` before its backward, and nothing is multiplied after it: the fast path of a loop that
-        knows its window ahead. ``fabric.backward(loss)`` then takes the counts in order; a ``count=`` passed there
-        too must agree.
-
-        Args:
-            counts: one count per microbatch of the window (each as ``count=`` takes it), in order; one in host
-                memory (a batch's count before the batch moves to the device) is read there, one on a device stays.
-            integer: whether the counts must be whole numbers (examples, tokens).
+        The fast path of a loop that knows its window ahead (as torchtitan counts): one SUM of the counts over the
+        ranks follows (left on the device), and every loss of the window is scaled by ``D n / N`` before its
+        backward, with nothing to multiply after it. ``fabric.backward(loss)`` takes the counts in order (a
+        ``count=`` passed there too must agree). A count in host memory (a batch's, before the batch moves) is read
+        there, one on a device stays there; ``integer``: they must be whole numbers (examples, tokens).
         """
-        loop = self._loop
-        if loop is None:
-            raise RuntimeError("fabric.strategy.count_ahead ran before a model was set up: call `fabric.setup` first.")
-        replays = list(self._replays)  # the window's batches were fetched: a replay among them counts 0
-        # a count in host memory is read there (taken from a batch that has not moved yet); one on a device stays
+        replays = self._yielded.replays()  # the window's batches were fetched: a replay among them counts 0
         planned = [read_count(count, integer, host=_in_host_memory(count)) for count in counts]
-        loop.plan([Count(0.0) if k < len(replays) and replays[k] else c for k, c in enumerate(planned)])
+        self._require_loop().plan([Count(0.0) if k < len(replays) and replays[k] else c for k, c in enumerate(planned)])
         self._skip_step = False
 
     def _syncs(self) -> bool:
@@ -135,23 +114,17 @@ class WeightedFabricStrategy(ParallelStrategy):
                 (:meth:`count_ahead`).
             **kwargs: passed on to the precision plugin's backward.
         """
-        loop = self._loop
-        if loop is None:
-            raise RuntimeError(
-                "fabric.backward ran before a model was set up: call `model, optimizer = fabric.setup(model,"
-                " optimizer)` first."
-            )
+        loop = self._require_loop()
         syncs = self._syncs()
         ends = _ends_window(syncs, window_end, reduction)
         if not loop.open:
             self._skip_step = False
-        self.backwards += 1
-        loop.padding_step = self._replays.popleft() if self._replays else False
+        loop.padding_step = self._yielded.backward()
         terms, problem = aux_terms({"aux": aux})
         loop.add(tensor, None if count is None else read_count(count), reduction == "sum", problem, terms)
         tensor = loop.scaled(tensor)
         if ends:
-            loop.participation = self._participation
+            loop.participation = self._yielded.participation
             loop.end()
         try:
             if syncs and not ends:
@@ -195,7 +168,7 @@ class WeightedFabricStrategy(ParallelStrategy):
         # batches until every rank is done. A loader with as many batches everywhere is left as it is.
         participation = Participation(self._policy)
         loader = participating(without_padding(dataloader), participation, self.root_device)
-        return FabricLoader(loader, participation, self) if participation.replays else loader
+        return FabricLoader(loader, participation, self._yielded) if participation.replays else loader
 
     @override
     def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
@@ -204,19 +177,13 @@ class WeightedFabricStrategy(ParallelStrategy):
             tensor = tensor.double()
         return super().all_reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[safe-super]
 
-    def begin_batch(self, participation: Participation | None, replay: bool) -> None:
-        """Called by a set-up loader as it yields a batch (whether it is a replay), and with ``None`` at its end.
-
-        The replays of batches yielded and not backpropagated yet are kept in order: a loop that fetches a window
-        before its first forward (``count_ahead``) learns which of its batches count 0.
-        """
-        if participation is None:
-            self._padding = False
-            return
-        if participation is not self._participation or participation.position == 0:
-            self._replays.clear()  # a new pass over a loader: what an earlier one left (evaluation) goes
-        self._participation, self._padding = participation, replay
-        self._replays.append(replay)
+    def _require_loop(self) -> WindowLoop:
+        if self._loop is None:
+            raise RuntimeError(
+                "fabric.backward ran before a model was set up: call `model, optimizer = fabric.setup(model,"
+                " optimizer)` first."
+            )
+        return self._loop
 
     def _check_closed(self, what: str) -> None:
         if self._loop is not None and self._loop.open:
@@ -252,48 +219,3 @@ def _ends_window(syncs: bool, window_end: bool | None, reduction: str) -> bool:
             " outside the context (with `enabled=False`), or leave `window_end` out."
         )
     return syncs if window_end is None else window_end
-
-
-class FabricLoader:
-    """Yields a rank's batches until every rank is done; an exhausted rank replays a batch, counted as 0.
-
-    ``fabric.setup_dataloaders`` returns it (inside Fabric's own wrapper) under a weighted strategy where the ranks'
-    batch counts differ. Each batch it yields is marked with its position, and the strategy learns whether it is a
-    replay (``padding_step``). An epoch ends where :func:`~lightning_weighted.data.participating` says: a sized
-    loader after the longest rank's last batch; an unsized one at the first window end where no rank has data
-    left, or, in a loop that runs no backward between its batches (evaluation), where this rank's own data ends, as
-    with plain Fabric. Attributes (``sampler``, ``batch_sampler``, ...) are the wrapped loader's, so Fabric's
-    ``set_epoch`` calls reach its sampler.
-    """
-
-    def __init__(self, loader: Any, participation: Participation, strategy: WeightedFabricStrategy) -> None:
-        self.loader, self.participation, self.strategy = loader, participation, strategy
-        try:
-            self.sized = len(loader) >= 0
-        except (TypeError, NotImplementedError):
-            self.sized = False
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name: str) -> Any:
-        loader = self.__dict__.get("loader")
-        if loader is None:
-            raise AttributeError(name)
-        return getattr(loader, name)
-
-    def __iter__(self) -> Iterator[Any]:
-        state, strategy = self.participation, self.strategy
-        backwards = -1  # the strategy's backward count when the previous batch was yielded
-        try:
-            for index, batch in enumerate(self.loader):
-                if state.stop:
-                    return  # every rank is out of data: the window that ended says so on every rank
-                replay = state.begin_batch(index)
-                if replay and not self.sized and strategy.backwards == backwards:
-                    return  # an unsized loader in a loop without backward (evaluation): no window ends its epoch
-                strategy.begin_batch(state, replay)
-                backwards = strategy.backwards
-                yield batch
-        finally:
-            strategy.begin_batch(None, replay=False)

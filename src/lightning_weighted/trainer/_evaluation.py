@@ -15,7 +15,8 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.data import extract_batch_size
 
-from lightning_weighted.counts import TRAINER, WIDTH, Slot, Wording, count_rule, split_output
+from lightning_weighted.counts import TRAINER, Wording, count_rule, split_output
+from lightning_weighted.loop import Exchange
 from lightning_weighted.window import Window
 
 __all__ = ["EvaluationLoss"]
@@ -51,9 +52,7 @@ class EvaluationLoss:
         rank = dist.get_rank(self.group)
         for index, window in sorted(self.windows.items()):
             payload = window.payload(rank, more=True, device=self.device)
-            vector = torch.cat([payload, payload[Slot.ITEMS : Slot.ITEMS + 1]])
-            dist.all_reduce(vector[:WIDTH], group=self.group)
-            result = window.finish(vector.tolist(), step=0, wording=_wording(stage))
+            result = window.finish(Exchange(payload, self.group).read(), step=0, wording=_wording(stage))
             if result.items == 0:
                 continue
             name = f"{stage}/loss/dataloader_idx_{index}" if several else f"{stage}/loss"

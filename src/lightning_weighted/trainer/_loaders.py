@@ -7,7 +7,8 @@ from typing import Any
 import torch
 
 from lightning_weighted._compat import LOADER_BARRIERS, extend, own_state, restore
-from lightning_weighted.data import Lookahead, Participation, Policy, participating, without_padding
+from lightning_weighted.ahead import Lookahead
+from lightning_weighted.data import Participation, Policy, participating, without_padding
 
 __all__ = ["FitLoaders"]
 

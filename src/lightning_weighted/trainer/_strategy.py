@@ -11,7 +11,6 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from lightning.pytorch.utilities.types import STEP_OUTPUT
@@ -21,20 +20,21 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_weighted._compat import patched, silenced
+from lightning_weighted.ahead import Lookahead, Planner
 from lightning_weighted.counting import ItemCounter
 from lightning_weighted.counts import TRAINER
-from lightning_weighted.data import Lookahead, Policy, Replicas
+from lightning_weighted.data import Policy, Replicas
 from lightning_weighted.engines import Engine
-from lightning_weighted.loop import Planner, WindowLoop
+from lightning_weighted.loop import LoopResults, WindowLoop
 from lightning_weighted.trainer._evaluation import EvaluationLoss
+from lightning_weighted.trainer._hooks import ModuleHooks, note_implicit, window_size
 from lightning_weighted.trainer._loaders import FitLoaders
 from lightning_weighted.trainer._replays import Replays
-from lightning_weighted.window import WindowResult
 
 __all__ = ["WeightedTrainerStrategy"]
 
 
-class WeightedTrainerStrategy(ParallelStrategy):
+class WeightedTrainerStrategy(LoopResults, ParallelStrategy):
     """The hooks of a weighted Trainer strategy, each a call into one :class:`~lightning_weighted.loop.WindowLoop`.
 
     A strategy puts it before its Lightning strategy (``class S(WeightedTrainerStrategy, DDPStrategy)``) and says
@@ -42,31 +42,22 @@ class WeightedTrainerStrategy(ParallelStrategy):
     :class:`~lightning_weighted.ItemCounter` counts the batches of one train dataloader that ``training_step`` does
     not fetch itself; else after the forward (see :mod:`lightning_weighted.loop`).
 
-    Attributes:
-        skipped_steps: windows whose global ``N`` was 0 (no optimizer or step-interval scheduler step).
-        padding_step: the batch in progress is a replay of a rank whose data ran out (it counts for nothing).
-        last_window: the result of the last optimizer step's window.
-        counts_ahead: whether this fit takes each window's counts from its batches ahead.
+    A window whose global ``N`` is 0 steps neither the optimizer nor step-interval LR schedulers
+    (``skipped_steps``); ``last_window`` is the result of the last optimizer step's window.
     """
 
     strategy_name: str
 
     def __init__(self, *args: Any, participation: Policy = "pad", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._policy: Policy = participation
         self._loaders = FitLoaders(participation, torch.device("cpu"))  # its device once the strategy's is known
+        self._hooks = ModuleHooks(self._loaders)
+        self._replays = Replays()
         self._loop: WindowLoop | None = None
         self._engine: Engine | None = None
         self._counter: ItemCounter | None = None
-        self._replays = Replays()
-        self._evaluation: EvaluationLoss | None = None
-        self._replaying = False  # the batch in progress (of any stage) is a replay
-        self._stage_replays = False  # the loader of the batch in progress replays
-        self._dataloader_idx = 0  # of the evaluation batch in progress
         self._ends_window = False  # inside `optimizer_step`: the next backward ends the window
-        self._backward_ran = False
-        self._skip_schedulers = False
-        self._implicit_noted = False
+        self._backward_ran = self._implicit_noted = False
         self._patches = contextlib.ExitStack()
 
     def _make_engine(self) -> Engine:
@@ -74,19 +65,13 @@ class WeightedTrainerStrategy(ParallelStrategy):
         raise NotImplementedError
 
     @property
-    def skipped_steps(self) -> int:
-        return self._loop.skipped_steps if self._loop is not None else 0
-
-    @property
     def padding_step(self) -> bool:
-        return self._replaying
-
-    @property
-    def last_window(self) -> WindowResult | None:
-        return self._loop.last_window if self._loop is not None else None
+        """The batch in progress is a replay of a rank whose data ran out (it counts for nothing)."""
+        return self._hooks.replaying
 
     @property
     def counts_ahead(self) -> bool:
+        """Whether this fit takes each window's counts from its batches ahead."""
         return self._loop is not None and self._loop.counts_ahead
 
     @property
@@ -114,10 +99,10 @@ class WeightedTrainerStrategy(ParallelStrategy):
             self._loaders.lookahead = Lookahead(count, self._loaders.train)
         super().setup(trainer)
         self._engine = self._make_engine()
-        self._evaluation = EvaluationLoss(self.root_device, self._engine.group)
+        self._hooks.evaluation = EvaluationLoss(self.root_device, self._engine.group)
         # Lightning's warning that its DistributedSampler repeats items: the one it inserts here repeats none
         self._patches.enter_context(silenced("Using `DistributedSampler` with the dataloaders", PossibleUserWarning))
-        self._patches.enter_context(patched(module, **self._module_hooks(trainer, module)))
+        self._patches.enter_context(patched(module, **self._hooks.patches(trainer, module)))
 
     @override
     def teardown(self) -> None:
@@ -139,24 +124,25 @@ class WeightedTrainerStrategy(ParallelStrategy):
         super().on_train_start()
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         assert self._engine is not None
-        loop = self._loop = WindowLoop(self._engine, self.root_device, TRAINER, self.strategy_name)
-        loop.participation = self._loaders.train
-        lookahead = self._loaders.lookahead
+        loop = self._loop = self._hooks.loop = WindowLoop(self._engine, self.root_device, TRAINER, self.strategy_name)
+        loop.participation, lookahead = self._loaders.train, self._loaders.lookahead
         if lookahead is not None and self._loaders.alone(trainer.train_dataloader):
-            group, divisor = self._engine.group, self._engine.divisor
-            loop.planner = Planner(lookahead, self._window_size, divisor, group, self.root_device)
+            loop.planner = Planner(lookahead, window_size(trainer), self._engine, self.root_device)
         elif lookahead is not None and self._loaders.train_loaders:
             self._loaders.retract(self._loaders.train_loaders[0])  # a combined batch is whole only once combined
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        self._skip_schedulers = False
         assert self._loop is not None and self.lightning_module is not None
-        with self._replays.step(self.lightning_module, self._stage_replays, self._replaying):
+        self._hooks.skip_schedulers = False
+        with self._replays.step(self.lightning_module, self._hooks.replays, self._hooks.replaying):
             output = super().training_step(*args, **kwargs)
         counter = None if self._loop.counts_ahead else self._counter
         output = self._loop.add_output(output, args[0], extract_batch_size, counter)
-        self._note_implicit(output, counter)
+        counted = counter is not None or self.counts_ahead or (isinstance(output, dict) and "count" in output)
+        if not counted and not self._implicit_noted:
+            self._implicit_noted = True
+            note_implicit(self.strategy_name)
         return output  # type: ignore[no-any-return]
 
     @override
@@ -195,7 +181,7 @@ class WeightedTrainerStrategy(ParallelStrategy):
             assert self._loop is not None and self.lightning_module is not None
             ran, self._backward_ran = self._backward_ran, False
             window = self._loop.finish(self.lightning_module.trainer.global_step, backward=ran)
-            self._skip_schedulers = ran and window.items == 0
+            self._hooks.skip_schedulers = ran and window.items == 0
             return result
 
         return super().optimizer_step(optimizer, closure_then_finish_window, model, **kw)
@@ -211,79 +197,10 @@ class WeightedTrainerStrategy(ParallelStrategy):
         return self._replays.reduce(tensor, reduce_op, group, super().reduce)  # type: ignore[safe-super]
 
     def _evaluation_step(self, step: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        assert self.lightning_module is not None and self._evaluation is not None
-        with self._replays.step(self.lightning_module, self._stage_replays, self._replaying):
+        hooks = self._hooks
+        assert self.lightning_module is not None and hooks.evaluation is not None
+        with self._replays.step(self.lightning_module, hooks.replays, hooks.replaying):
             output = step(*args, **kwargs)
-        if not self._replaying and args:
-            self._evaluation.add(output, args[0], self._dataloader_idx, self._counter)
+        if not hooks.replaying and args:
+            hooks.evaluation.add(output, args[0], hooks.dataloader_idx, self._counter)
         return output
-
-    def _window_size(self, batch_idx: int) -> int:
-        """How many batches Lightning accumulates into the window that would start at ``batch_idx``."""
-        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
-        accumulate = trainer.accumulate_grad_batches
-        return int(max(0, min(accumulate - batch_idx % accumulate, trainer.num_training_batches - batch_idx)))
-
-    def _note_implicit(self, output: Any, counter: ItemCounter | None) -> None:
-        if self._implicit_noted or counter is not None or self.counts_ahead:
-            return
-        if isinstance(output, dict) and "count" in output:
-            return
-        self._implicit_noted = True
-        rank_zero_info(
-            f"{self.strategy_name}: training_step gave no count, so each microbatch counts its examples (the"
-            " batch size). If the loss is a mean over tokens (a Hugging Face model's `out.loss` is), count"
-            " them: return `{'loss': loss, 'count': n_valid_tokens}` or add"
-            " `ItemCounter('tokens', key='labels', shift=True)`; counting by batch size trains like plain DDP."
-            " `ItemCounter('examples')` keeps examples and silences this."
-        )
-
-    def _module_hooks(self, trainer: Trainer, module: LightningModule) -> dict[str, Callable[..., Any]]:
-        """The module hooks the strategy runs before the module's own: no strategy hook sits where they do."""
-        batch_start, scheduler_step = module.on_train_batch_start, module.lr_scheduler_step
-
-        def on_train_batch_start(batch: Any, batch_idx: int) -> int | None:
-            # Runs before the strategy's own hook and the training step: the place to end the epoch.
-            if self._loaders.train.stop:
-                return -1  # every rank is out of data: Lightning ends the epoch here, on every rank
-            assert self._loop is not None
-            self._loop.begin_batch(batch_idx)
-            self._replaying, self._stage_replays = self._loop.padding_step, self._loaders.train.replays
-            return batch_start(batch, batch_idx)
-
-        def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
-            configs = trainer.lr_scheduler_configs
-            if self._skip_schedulers and any(c.scheduler is scheduler and c.interval == "step" for c in configs):
-                return
-            scheduler_step(scheduler, metric)
-
-        def evaluation_batch_start(stage: str, hook: Callable[..., Any]) -> Callable[..., Any]:
-            def on_batch_start(batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
-                loaders = self._loaders.evaluation[stage]
-                participation = loaders[dataloader_idx] if dataloader_idx < len(loaders) else None
-                self._replaying = participation is not None and participation.begin_batch(batch_idx)
-                self._dataloader_idx = dataloader_idx
-                self._stage_replays = participation is not None and participation.replays
-                return hook(batch, batch_idx, dataloader_idx)
-
-            return on_batch_start
-
-        def epoch_end(stage: str, hook: Callable[[], Any]) -> Callable[[], Any]:
-            def on_epoch_end() -> Any:
-                result = hook()
-                self._replaying = False
-                if stage != "train" and self._evaluation is not None:
-                    self._evaluation.log(stage, module)
-                return result
-
-            return on_epoch_end
-
-        return {
-            "on_train_batch_start": on_train_batch_start,
-            "lr_scheduler_step": lr_scheduler_step,
-            "on_validation_batch_start": evaluation_batch_start("val", module.on_validation_batch_start),
-            "on_test_batch_start": evaluation_batch_start("test", module.on_test_batch_start),
-            "on_train_epoch_end": epoch_end("train", module.on_train_epoch_end),
-            "on_validation_epoch_end": epoch_end("val", module.on_validation_epoch_end),
-            "on_test_epoch_end": epoch_end("test", module.on_test_epoch_end),
-        }

@@ -1,0 +1,175 @@
+"""Counts ahead: each train batch counted on the host as the loader yields it, each window planned from them.
+
+Where :class:`~lightning_weighted.ItemCounter` says how to count a batch, :class:`Lookahead` counts each train batch
+on the host as the loader yields it, before it reaches the device, and fetches a window's batches before its first
+forward; :class:`Planner` makes each window's :math:`N` known before that forward (see
+:mod:`lightning_weighted.loop`). A checkpoint still saves the state of what was trained: the loader's state from
+before the oldest batch fetched early.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from itertools import islice
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_weighted.counts import Count, Problem, read_count
+from lightning_weighted.data import Participation
+from lightning_weighted.engines import Engine
+from lightning_weighted.window import Window
+
+__all__ = ["Lookahead", "Planner", "summed"]
+
+_END = object()
+
+
+class Lookahead:
+    """A train loader's iteration that counts each batch as it is fetched and fetches a window's batches early.
+
+    Counts are kept in the order Lightning trains the batches: :meth:`advance` hands out the count of the batch
+    about to be trained, :meth:`ahead` the counts of the batches after it, fetching them now (they are held, on the
+    host, until Lightning asks for them). A batch an exhausted rank replays counts 0. :meth:`state` is the loader's
+    state before the oldest batch still held, the state of what was trained.
+
+    Args:
+        count: how to count a batch: ``count(batch) -> (count, integer)``.
+        participation: the loader's epoch, which knows which batches are replays.
+        loader_state: the loader's ``state_dict`` (a ``StatefulDataLoader``'s), or ``None``.
+
+    Example::
+
+        >>> ahead = Lookahead(lambda batch: (len(batch), True), Participation())
+        >>> batches = ahead.iterate(iter([[1], [1, 2], [1, 2, 3]]))
+        >>> next(batches)  # Lightning fetches the first batch ...
+        [1]
+        >>> ahead.advance().value, [count.value for count in ahead.ahead(2)]  # ... trains it, looks ahead
+        (1.0, [2.0, 3.0])
+        >>> list(batches)  # the batches fetched early still come in order
+        [[1, 2], [1, 2, 3]]
+    """
+
+    def __init__(
+        self,
+        count: Callable[[Any], tuple[object, bool]],
+        participation: Participation,
+        loader_state: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        self.count, self.participation, self.loader_state = count, participation, loader_state
+        self.epoch = 0  # how many times the loader was iterated: a plan of an earlier pass is stale
+        self._source: Iterator[Any] = iter(())
+        self._held: deque[tuple[Any, dict[str, Any] | None]] = deque()  # fetched early, with the state before it
+        self._counts: deque[Count] = deque()  # counts of the batches fetched and not trained yet
+        self._fetched = 0
+
+    def iterate(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        """The batches of one pass over the loader (a stage of :func:`lightning_weighted._compat.extend`)."""
+        self.epoch += 1
+        self._source, self._fetched = iterator, 0
+        self._held.clear()
+        self._counts.clear()
+        return self._batches(self.epoch)
+
+    def _batches(self, epoch: int) -> Iterator[Any]:
+        while epoch == self.epoch:
+            item = self._held.popleft()[0] if self._held else self._fetch()
+            if item is _END:
+                return
+            yield item
+
+    def advance(self) -> Count:
+        """The count of the batch Lightning is about to train (the oldest one fetched and not trained yet)."""
+        return self._counts.popleft()
+
+    def ahead(self, size: int) -> list[Count]:
+        """The counts of the ``size`` batches after the current one (fewer where the loader ends), fetched now."""
+        while len(self._counts) < size:
+            state = self.loader_state() if self.loader_state is not None else None
+            item = self._fetch()
+            if item is _END:
+                break
+            self._held.append((item, state))
+        return list(islice(self._counts, size))
+
+    def state(self) -> dict[str, Any] | None:
+        """The loader's state before the oldest batch fetched early and not yet handed out (``None``: none held)."""
+        return self._held[0][1] if self._held else None
+
+    def _fetch(self) -> Any:
+        item = next(self._source, _END)
+        if item is not _END:
+            real = self.participation.real
+            replay = real is not None and self._fetched >= real
+            self._counts.append(Count(0.0) if replay else read_count(*self.count(item), host=True))
+            self._fetched += 1
+        return item
+
+
+class Planner:
+    """Plans each window from the counts of its batches, which a :class:`Lookahead` takes.
+
+    Args:
+        lookahead: the train loader's lookahead.
+        size_at: how many batches the window that would start at a given ``batch_idx`` holds.
+        engine: the engine's reduction (its :math:`D`, and the ranks the counts are summed over).
+        device: where the gradients live.
+    """
+
+    def __init__(self, lookahead: Lookahead, size_at: Callable[[int], int], engine: Engine, device: torch.device):
+        self.lookahead, self.size_at, self.device = lookahead, size_at, device
+        self.divisor, self.group = engine.divisor, engine.group
+        self.window: Window | None = None  # the window in progress, its N known
+        self.count = Count(0.0)  # the planned count of the batch in progress
+        self._batch_idx = 0
+        self._epoch = 0  # the loader pass `window` belongs to
+        self._following = 0  # the microbatches of the next window, planned at this window's end
+
+    def begin_batch(self, batch_idx: int) -> Window:
+        """Takes the count of the batch about to be trained; returns its window (planned now at an epoch's first)."""
+        self.count, self._batch_idx = self.lookahead.advance(), batch_idx
+        if self.window is None or self._epoch != self.lookahead.epoch:
+            counts = [self.count, *self.lookahead.ahead(self.size_at(batch_idx) - 1)]
+            total = summed(counts, self.device, self.group)
+            self.window, self._epoch = self._window(total, len(counts)), self.lookahead.epoch
+        return self.window
+
+    def plan_following(self) -> float:
+        """Plans the window after the one in progress, at its last microbatch; returns this rank's items in it."""
+        size = self.size_at(self._batch_idx + 1)
+        counts = self.lookahead.ahead(size) if size > 0 else []
+        self._following = len(counts)
+        return _items(counts)
+
+    def received(self, total: float) -> None:
+        """Takes the next window's ``N`` from the exchange that ended the window in progress."""
+        self.window = self._window(total, self._following) if self._following else None
+        self._following = 0
+
+    def _window(self, total: float | Tensor, size: int) -> Window:
+        return Window(total=total, divisor=self.divisor, shares=dist.get_world_size(self.group) * size)
+
+
+def summed(counts: Iterable[Count], device: torch.device, group: dist.ProcessGroup | None) -> Tensor:
+    """The SUM over ``group`` of every rank's valid ``counts``, left on the device.
+
+    One all-reduce, waited on by the device's stream, not the host.
+    """
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    for count in counts:
+        if isinstance(count.problem, Problem):
+            continue  # its problem is reported at the window's end, where the loop meets it
+        if isinstance(count.problem, Tensor):  # a count on the device, checked there
+            total += torch.where(count.problem == 0, count.value, 0.0)
+        else:
+            total += count.value
+    dist.all_reduce(total, group=group)
+    return total[0]
+
+
+def _items(counts: Iterable[Count]) -> float:
+    """The items of valid planned counts (a host count each)."""
+    return sum(c.value for c in counts if c.problem is None and isinstance(c.value, float))
