@@ -38,13 +38,24 @@ __all__ = [
     "patched",
     "rebuild_loader",
     "reduce_scatter",
+    "register",
     "restore",
     "set_sampler",
     "silenced",
+    "unfloored",
 ]
 
 # The registry type of `register_strategies(cls, registry)`, which Lightning's own strategies annotate with it.
 StrategyRegistry = _StrategyRegistry
+
+
+def register(registry: StrategyRegistry, cls: type, what: str, *names: tuple[str, dict[str, Any]]) -> None:
+    """Registers ``cls`` under each name with its keyword arguments, as Lightning registers ``"ddp"``'s variants."""
+    for name, kwargs in names:
+        extra = ", ".join(f"{key}={value!r}" for key, value in kwargs.items())
+        description = f"{what} ({extra})" if extra else what
+        registry.register(name, cls, description=description, override=True, **kwargs)  # importing twice: as it was
+
 
 # Fabric's `no_backward_sync` asks the strategy's `_backward_sync_control` (no public hook): FSDP2 under Fabric
 # replaces it so that the context only marks the window (`fabric/fsdp2.py`).
@@ -54,6 +65,18 @@ BackwardSyncControl = _BackwardSyncControl
 # (`trainer/connectors/data_connector.py`: `strategy.barrier("train_dataloader()")`, ...); `process_dataloader`
 # itself is not told which stage the loader is for.
 LOADER_BARRIERS = {"train_dataloader()": "train", "val_dataloader()": "val", "test_dataloader()": "test"}
+
+
+def unfloored(tensor: Tensor, reduce_op: object) -> Tensor:
+    """``tensor`` in float64 where it is an integer tensor about to be mean-reduced across ranks, else itself.
+
+    Lightning's logging mean-reduces its integer batch-size sums, and an integer mean floors (7 items on 2 ranks: 3,
+    Lightning issue #21859, open on 2.6.x and 2.7.x): the strategies' ``reduce`` (Fabric's ``all_reduce``) pass each
+    tensor through this first.
+    """
+    if not tensor.is_floating_point() and str(reduce_op).lower() in ("mean", "avg", "reduceop.avg"):
+        return tensor.double()
+    return tensor
 
 
 def augment_message(exception: BaseException, pattern: str, message: str) -> None:

@@ -37,13 +37,14 @@ class Lookahead:
     state before the oldest batch still held, the state of what was trained.
 
     Args:
-        count: how to count a batch: ``count(batch) -> (count, integer)``.
+        count: how to count a batch: ``count(batch)``, an int, a float or a tensor in host memory.
+        integer: whether counts must be whole numbers (examples, tokens).
         participation: the loader's epoch, which knows which batches are replays.
         loader_state: the loader's ``state_dict`` (a ``StatefulDataLoader``'s), or ``None``.
 
     Example::
 
-        >>> ahead = Lookahead(lambda batch: (len(batch), True), Participation())
+        >>> ahead = Lookahead(len, True, Participation())
         >>> batches = ahead.iterate(iter([[1], [1, 2], [1, 2, 3]]))
         >>> next(batches)  # Lightning fetches the first batch ...
         [1]
@@ -55,11 +56,12 @@ class Lookahead:
 
     def __init__(
         self,
-        count: Callable[[Any], tuple[object, bool]],
+        count: Callable[[Any], object],
+        integer: bool,
         participation: Participation,
         loader_state: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
-        self.count, self.participation, self.loader_state = count, participation, loader_state
+        self.count, self.integer, self.participation, self.loader_state = count, integer, participation, loader_state
         self.epoch = 0  # how many times the loader was iterated: a plan of an earlier pass is stale
         self._source: Iterator[Any] = iter(())
         self._held: deque[tuple[Any, dict[str, Any] | None]] = deque()  # fetched early, with the state before it
@@ -104,7 +106,7 @@ class Lookahead:
         if item is not _END:
             real = self.participation.real
             replay = real is not None and self._fetched >= real
-            self._counts.append(Count(0.0) if replay else read_count(*self.count(item), host=True))
+            self._counts.append(Count(0.0) if replay else read_count(self.count(item), self.integer, host=True))
             self._fetched += 1
         return item
 

@@ -63,10 +63,12 @@ class Wording:
     Attributes:
         source: the call and its verb, as in ``"training_step returned"``.
         fix: the sentence that says what a valid count is and where it goes.
+        skipped: what rank 0's warning says of a window without items.
     """
 
     source: str
     fix: str
+    skipped: str = "the optimizer and step-interval LR schedulers were not stepped."
 
 
 TRAINER = Wording(
@@ -80,6 +82,8 @@ FABRIC = Wording(
     "Pass each microbatch's count as `fabric.backward(loss, count=n)`, where `loss` is the mean over the"
     " microbatch's `n` valid items (or their sum, with `reduction='sum'`) and `n` is their number (or the sum of"
     " their sample weights): an int, a float or a 0-dim tensor, finite and >= 0",
+    "the optimizer steps after it change nothing. A loop that steps an LR scheduler can skip it when"
+    " `fabric.strategy.last_window.items == 0`.",
 )
 _MESSAGES: dict[Problem, tuple[type[Exception], str]] = {
     Problem.NEGATIVE: (ValueError, "a microbatch's count is negative ({value!r})"),

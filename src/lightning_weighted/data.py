@@ -1,4 +1,4 @@
-"""The data side of a weighted run: sharding without padding, replays for ranks that run out, counting ahead.
+"""The data side of a weighted run: sharding without padding, and replays for ranks that run out of data.
 
 **Participation.** A rank whose data runs out keeps taking part in every remaining step: it replays its last real
 batch (the first batch of another rank if it had none) with a count of 0, so its forward, its backward and the

@@ -2,7 +2,7 @@ r"""The loop of windows of one fit or one Fabric loop: a microbatch in, its loss
 
 The Trainer and Fabric integrations drive one :class:`WindowLoop` each, and hold no window rule of their own:
 
-1. :meth:`WindowLoop.add` (or :meth:`~WindowLoop.add_output`, for what ``training_step`` returned) records a
+1. :meth:`WindowLoop.add` records a
    microbatch's loss and count in the window (:mod:`lightning_weighted.window`) and keeps its loss factor;
 2. :meth:`WindowLoop.scaled` is the loss to backpropagate: times the factor, or the engine's exact zero;
 3. :meth:`WindowLoop.end` starts the window's one :class:`Exchange` right before the backward that ends it: an
@@ -21,8 +21,7 @@ factor is :math:`D n / N` and nothing is multiplied afterwards; the exchange car
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -31,14 +30,12 @@ from torch import Tensor
 
 from lightning_weighted._compat import multiply
 from lightning_weighted.ahead import Planner, summed
-from lightning_weighted.counts import WIDTH, Count, Problem, Slot, Wording, agreed, aux_terms, count_rule, split_output
+from lightning_weighted.counts import WIDTH, Count, Problem, Slot, Wording, agreed
 from lightning_weighted.data import Participation
 from lightning_weighted.engines import Engine
 from lightning_weighted.window import Window, WindowResult
 
-__all__ = ["Exchange", "LoopResults", "WindowLoop"]
-
-_SKIPPED = "the optimizer and step-interval LR schedulers were not stepped."
+__all__ = ["Exchange", "LoopResults", "Reference", "WindowLoop"]
 
 
 class Exchange:
@@ -72,7 +69,6 @@ class WindowLoop:
         device: where the gradients live.
         wording: how errors name the call that handed over the loss and its count.
         name: the strategy's name, for messages.
-        skipped: what rank 0's warning says of a window without items.
 
     Attributes:
         participation: the train loader's epoch, where ranks may run out of data (``None``: every rank has data).
@@ -83,10 +79,8 @@ class WindowLoop:
         factor, aux: the microbatch in progress's loss factor and weighted auxiliary terms (``None``: none).
     """
 
-    def __init__(
-        self, engine: Engine, device: torch.device, wording: Wording, name: str, skipped: str = _SKIPPED
-    ) -> None:
-        self.engine, self.device, self.wording, self.name, self.skipped = engine, device, wording, name, skipped
+    def __init__(self, engine: Engine, device: torch.device, wording: Wording, name: str) -> None:
+        self.engine, self.device, self.wording, self.name = engine, device, wording, name
         self.rank, self.ranks = dist.get_rank(engine.group), dist.get_world_size(engine.group)
         self.participation: Participation | None = None
         self.planner: Planner | None = None
@@ -97,9 +91,7 @@ class WindowLoop:
         self._window: Window | None = None
         self._planned: deque[Count] = deque()  # counts handed over ahead for the window in progress (`plan`)
         self._exchange: Exchange | None = None
-        # c of the next window counted after: 1, or the size of one microbatch's count where losses stay mean-sized
-        self._reference: float | Tensor | None = None if engine.mean_sized else 1.0
-        self._microbatches = 0
+        self._reference = Reference(engine.mean_sized)
 
     @property
     def counts_ahead(self) -> bool:
@@ -129,21 +121,6 @@ class WindowLoop:
         self._window = Window(total=total, divisor=self.engine.divisor, shares=self.ranks * len(counts))
         self._planned = deque(counts)
 
-    def add_output(self, output: Any, batch: Any, batch_size: Callable[[Any], int], counter: Any = None) -> Any:
-        """Records what ``training_step`` returned for ``batch``; returns what Lightning should take instead.
-
-        ``counter`` (an :class:`~lightning_weighted.ItemCounter`) counts the batch where nothing was counted ahead
-        and ``training_step`` returned no ``"count"``; counted ahead, a returned ``"count"`` must agree.
-        """
-        loss, item_sum, problem = split_output(output)
-        aux, aux_problem = aux_terms(output)
-        if loss is None and not self.padding_step:
-            self.add(None, None, False)
-            return {"loss": self._refused(None)}  # Lightning proceeds; every rank raises at the window's end
-        planned = self.planner.count if self.planner is not None else None
-        self.add(loss, count_rule(output, batch, batch_size, counter, planned), item_sum, problem or aux_problem, aux)
-        return output
-
     def add(
         self,
         loss: Tensor | None,
@@ -153,10 +130,8 @@ class WindowLoop:
         aux: dict[str, Tensor] | None = None,
     ) -> None:
         """Records one microbatch's loss, count and auxiliary terms: sets :attr:`factor` and :attr:`aux`."""
-        if self._reference is None:
-            self._reference = _first_reference(None if self.padding_step else count, self.device, self.engine.group)
+        self._reference.take(None if self.padding_step else count, self.device, self.engine.group)
         window = self.window()
-        self._microbatches += 1
         self.factor, self.aux = 0.0, None
         if self.padding_step:
             return  # a replay of an exhausted rank contributes nothing
@@ -179,7 +154,7 @@ class WindowLoop:
     def window(self) -> Window:
         """The window in progress (a new one, counted after, where none is)."""
         if self._window is None:
-            self._window = Window(1.0 if self._reference is None else self._reference)
+            self._window = Window(self._reference.value)
         return self._window
 
     def scaled(self, loss: Tensor, multiplier: float = 1.0) -> Tensor:
@@ -191,10 +166,16 @@ class WindowLoop:
         if isinstance(factor, Tensor):  # a count on the device: never compared on the host
             scaled = loss * (factor * multiplier)
         elif factor == 0:
-            scaled = self._refused(loss) if loss.grad_fn is None else self.engine.empty(loss)
+            scaled = self.refused(loss) if loss.grad_fn is None else self.engine.empty(loss)
         else:
             scaled = loss if factor * multiplier == 1 else loss * (factor * multiplier)
         return scaled if self.aux is None else scaled + self.aux
+
+    def refused(self, loss: Tensor | None) -> Tensor:
+        """A zero loss for a microbatch that cannot be weighted; raises where the engine needs the model's graph."""
+        if self.engine.needs_graph:
+            raise RuntimeError(_NEEDS_GRAPH.format(dist.get_rank(), self.wording.source, _what(loss), self.name))
+        return self.engine.empty(loss)
 
     def end(self) -> None:
         """Starts the window's exchange; runs right before the backward that ends the window (once per window)."""
@@ -230,21 +211,13 @@ class WindowLoop:
             self.planner.received(result.following)
         if result.uncut and result.items > 0 and backward:
             _check_uncut(self.engine, result.uncut, self.device)
-        if self.engine.mean_sized and result.items > 0:
-            self._reference = result.items / (self.ranks * max(self._microbatches, 1))
-        self._microbatches = 0
+        self._reference.after(result.items, self.ranks)
         if result.items == 0 and backward:
             for param in self.engine.parameters():
                 param.grad = None  # without gradients no torch optimizer touches a parameter or its state
             self.skipped_steps += 1
-            rank_zero_warn(f"The global item count of the window ending at step {step} is 0: {self.skipped}")
+            rank_zero_warn(f"The global item count of the window ending at step {step} is 0: {self.wording.skipped}")
         return result
-
-    def _refused(self, loss: Tensor | None) -> Tensor:
-        """A zero loss for a microbatch that cannot be weighted; raises where the engine needs the model's graph."""
-        if self.engine.needs_graph:
-            raise RuntimeError(_NEEDS_GRAPH.format(dist.get_rank(), self.wording.source, _what(loss), self.name))
-        return self.engine.empty(loss)
 
 
 class LoopResults:
@@ -291,11 +264,37 @@ def multiply_gradients(parameters: Iterable[Tensor], factor: Tensor, reference: 
             multiply(grads, factor * reference)
 
 
-def _first_reference(count: Count | None, device: torch.device, group: dist.ProcessGroup | None) -> Tensor:
-    """C of the first window of mean-sized losses: the largest first count over the ranks (one all-reduce, once).
+class Reference:
+    """:math:`c` of the windows counted after: 1, or the size of one microbatch's count where losses stay mean-sized.
 
-    Later windows take c from the window before, known on the host by then.
+    Mean-sized (an fp16 backward, where item sums could overflow): the first window takes the largest first count
+    over the ranks (one MAX all-reduce, once), each later one the mean count per microbatch of the window before.
     """
+
+    def __init__(self, mean_sized: bool) -> None:
+        self.mean_sized, self.microbatches = mean_sized, 0
+        self._value: float | Tensor | None = None if mean_sized else 1.0
+
+    @property
+    def value(self) -> float | Tensor:
+        """:math:`c` of the window in progress."""
+        return 1.0 if self._value is None else self._value
+
+    def take(self, count: Count | None, device: torch.device, group: dist.ProcessGroup | None) -> None:
+        """Notes a microbatch of the window (its count, at the first window of mean-sized losses)."""
+        if self._value is None:
+            self._value = _first_reference(count, device, group)
+        self.microbatches += 1
+
+    def after(self, items: float, ranks: int) -> None:
+        """Takes the next window's :math:`c` from the window that ended with ``items``."""
+        if self.mean_sized and items > 0:
+            self._value = items / (ranks * max(self.microbatches, 1))
+        self.microbatches = 0
+
+
+def _first_reference(count: Count | None, device: torch.device, group: dist.ProcessGroup | None) -> Tensor:
+    """The largest first count over the ranks, 1 where none is positive."""
     first = torch.zeros((), dtype=torch.float64, device=device)
     if count is not None and not isinstance(count.problem, Problem):
         first = first + count.value

@@ -15,7 +15,7 @@ returns, in one of two ways:
   the reduction's result is :math:`g` itself;
 - **counts after** (known only once each forward has run): the factor is :math:`n/c`, for a constant :math:`c` the
   same on every rank, and the engine multiplies the reduced gradients by :math:`D\,c/N` once the window's counts
-  are summed (:attr:`WindowResult.scale`).
+  are summed (:meth:`lightning_weighted.loop.WindowLoop.finish`).
 
 Worked trace: ``w = 10``, per-item loss :math:`\tfrac12 (w - y)^2`; rank 0 holds targets ``[9, 9]``
 (``n = 2``, mean gradient 1), rank 1 holds ``[7] * 6`` (``n = 6``, mean gradient 3).

@@ -12,6 +12,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_weighted._compat import unfloored
 from lightning_weighted.counts import FABRIC, Count, aux_terms, read_count
 from lightning_weighted.data import Participation, Policy, Replicas, participating, without_padding
 from lightning_weighted.engines import Engine
@@ -58,11 +59,8 @@ class WeightedFabricStrategy(LoopResults, ParallelStrategy):
     def _start(self, engine: Engine) -> None:
         """Builds the loop over the engine of the model just set up (one model per strategy)."""
         if self._loop is not None:
-            raise RuntimeError(
-                f"{type(self).__name__} weights the gradients of one model, and a second one was set up. Set up"
-                " the trained modules as one `nn.Module` (a container of both)."
-            )
-        self._loop = WindowLoop(engine, self.root_device, FABRIC, self.strategy_name, _SKIPPED)
+            raise RuntimeError(_SECOND_MODEL.format(type(self).__name__))
+        self._loop = WindowLoop(engine, self.root_device, FABRIC, self.strategy_name)
 
     def count_ahead(self, counts: Sequence[object], integer: bool = False) -> None:
         """Hands over the counts of the next window's microbatches, in order, before its first forward.
@@ -172,32 +170,30 @@ class WeightedFabricStrategy(LoopResults, ParallelStrategy):
 
     @override
     def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        # an integer mean floors: taken in float64 (see the Trainer strategies' `reduce`)
-        if isinstance(tensor, Tensor) and not tensor.is_floating_point() and str(reduce_op).lower() in ("mean", "avg"):
-            tensor = tensor.double()
+        tensor = unfloored(tensor, reduce_op) if isinstance(tensor, Tensor) else tensor
         return super().all_reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[safe-super]
 
     def _require_loop(self) -> WindowLoop:
         if self._loop is None:
-            raise RuntimeError(
-                "fabric.backward ran before a model was set up: call `model, optimizer = fabric.setup(model,"
-                " optimizer)` first."
-            )
+            raise RuntimeError(_NO_MODEL)
         return self._loop
 
     def _check_closed(self, what: str) -> None:
         if self._loop is not None and self._loop.open:
-            raise RuntimeError(
-                f"{what} was called while a window is open: the last `fabric.backward` did not end it (it ran inside"
-                " `fabric.no_backward_sync(model)` or with `window_end=False`), so the gradients are this rank's own."
-                " Run the window's last backward outside `no_backward_sync` (or with `window_end=True`) before"
-                " clipping and stepping."
-            )
+            raise RuntimeError(_OPEN.format(what))
 
 
-_SKIPPED = (
-    "the optimizer steps after it change nothing. A loop that steps an LR scheduler can skip it when"
-    " `fabric.strategy.last_window.items == 0`."
+_SECOND_MODEL = (
+    "{} weights the gradients of one model, and a second one was set up. Set up the trained modules as one"
+    " `nn.Module` (a container of both)."
+)
+_NO_MODEL = (
+    "fabric.backward ran before a model was set up: call `model, optimizer = fabric.setup(model, optimizer)` first."
+)
+_OPEN = (
+    "{} was called while a window is open: the last `fabric.backward` did not end it (it ran inside"
+    " `fabric.no_backward_sync(model)` or with `window_end=False`), so the gradients are this rank's own. Run the"
+    " window's last backward outside `no_backward_sync` (or with `window_end=True`) before clipping and stepping."
 )
 
 

@@ -9,11 +9,11 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_weighted._compat import StrategyRegistry
+from lightning_weighted._compat import StrategyRegistry, register
 from lightning_weighted.data import Policy
 from lightning_weighted.engines.ddp import DDPEngine, fp16_backward
 from lightning_weighted.fabric._strategy import WeightedFabricStrategy
-from lightning_weighted.trainer.ddp import LAUNCHERS, register_launchers
+from lightning_weighted.trainer.ddp import LAUNCHERS
 
 __all__ = ["WeightedFabricDDPStrategy"]
 
@@ -62,8 +62,8 @@ class WeightedFabricDDPStrategy(WeightedFabricStrategy, DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
-        launchers = (*LAUNCHERS, ("ddp_weighted_notebook", "fork", {}))  # Fabric names a notebook launcher too
-        register_launchers(strategy_registry, cls, launchers, "Count-weighted Fabric DDP")
+        notebook = ("ddp_weighted_notebook", {"start_method": "fork"})  # Fabric names a notebook launcher too
+        register(strategy_registry, cls, "Count-weighted Fabric DDP", *LAUNCHERS, notebook)
 
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:

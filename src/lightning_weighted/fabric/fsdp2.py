@@ -10,7 +10,7 @@ from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_weighted._compat import BackwardSyncControl, StrategyRegistry
+from lightning_weighted._compat import BackwardSyncControl, StrategyRegistry, register
 from lightning_weighted.data import Policy
 from lightning_weighted.engines.fsdp2 import FSDP2Engine, data_parallel_group, every_rank_data_parallel, shard_blocks
 from lightning_weighted.fabric._strategy import WeightedFabricStrategy
@@ -62,11 +62,8 @@ class WeightedFabricModelParallelStrategy(WeightedFabricStrategy, ModelParallelS
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
-        strategy_registry.register(
-            "fsdp2_weighted",
-            cls,
-            description="Count-weighted FSDP2 (ModelParallelStrategy) for Fabric, data-parallel over every rank",
-            override=True,  # importing twice leaves the registry as it was
+        register(
+            strategy_registry, cls, "Count-weighted Fabric FSDP2, every rank data-parallel", ("fsdp2_weighted", {})
         )
 
     @override

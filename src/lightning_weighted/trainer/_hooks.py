@@ -12,12 +12,15 @@ from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.data import extract_batch_size
 
+from lightning_weighted.counting import ItemCounter
+from lightning_weighted.counts import aux_terms, count_rule, split_output
 from lightning_weighted.loop import WindowLoop
 from lightning_weighted.trainer._evaluation import EvaluationLoss
 from lightning_weighted.trainer._loaders import FitLoaders
 
-__all__ = ["ModuleHooks", "note_implicit", "window_size"]
+__all__ = ["ModuleHooks", "add_output", "note_implicit", "window_size"]
 
 
 class ModuleHooks:
@@ -105,6 +108,23 @@ def window_size(trainer: Trainer) -> Callable[[int], int]:
         return int(max(0, min(accumulate - batch_idx % accumulate, trainer.num_training_batches - batch_idx)))
 
     return size_at
+
+
+def add_output(loop: WindowLoop, output: Any, batch: Any, counter: ItemCounter | None) -> Any:
+    """Records what ``training_step`` returned for ``batch`` in the loop; returns what Lightning should take instead.
+
+    ``counter`` counts the batch where nothing was counted ahead and ``training_step`` returned no ``"count"``;
+    counted ahead, a returned ``"count"`` must agree (:func:`~lightning_weighted.counts.count_rule`).
+    """
+    loss, item_sum, problem = split_output(output)
+    aux, aux_problem = aux_terms(output)
+    if loss is None and not loop.padding_step:
+        loop.add(None, None, False)
+        return {"loss": loop.refused(None)}  # Lightning proceeds; every rank raises at the window's end
+    planned = loop.planner.count if loop.planner is not None else None
+    count = count_rule(output, batch, extract_batch_size, counter, planned)
+    loop.add(loss, count, item_sum, problem or aux_problem, aux)
+    return output
 
 
 def note_implicit(name: str) -> None:

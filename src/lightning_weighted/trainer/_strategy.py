@@ -11,7 +11,6 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
@@ -19,7 +18,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_weighted._compat import patched, silenced
+from lightning_weighted._compat import patched, silenced, unfloored
 from lightning_weighted.ahead import Lookahead, Planner
 from lightning_weighted.counting import ItemCounter
 from lightning_weighted.counts import TRAINER
@@ -27,7 +26,7 @@ from lightning_weighted.data import Policy, Replicas
 from lightning_weighted.engines import Engine
 from lightning_weighted.loop import LoopResults, WindowLoop
 from lightning_weighted.trainer._evaluation import EvaluationLoss
-from lightning_weighted.trainer._hooks import ModuleHooks, note_implicit, window_size
+from lightning_weighted.trainer._hooks import ModuleHooks, add_output, note_implicit, window_size
 from lightning_weighted.trainer._loaders import FitLoaders
 from lightning_weighted.trainer._replays import Replays
 
@@ -85,18 +84,12 @@ class WeightedTrainerStrategy(LoopResults, ParallelStrategy):
     def setup(self, trainer: Trainer) -> None:
         module = trainer.lightning_module
         if not module.automatic_optimization:
-            raise MisconfigurationException(
-                f"{type(module).__name__} uses manual optimization (`automatic_optimization=False`), which"
-                f" {self.strategy_name} does not weight. Use automatic optimization, or a plain strategy and scale"
-                " the loss yourself."
-            )
+            raise MisconfigurationException(_MANUAL.format(type(module).__name__, self.strategy_name))
         self._counter = next((c for c in trainer.callbacks if isinstance(c, ItemCounter)), None)  # type: ignore[attr-defined]
         self._loaders.device = self.root_device
         fetches_itself = is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True)
         if self._counter is not None and not fetches_itself:
-            counter = self._counter
-            count = lambda batch: (counter.count_of(batch), counter.integer)  # noqa: E731
-            self._loaders.lookahead = Lookahead(count, self._loaders.train)
+            self._loaders.lookahead = Lookahead(self._counter.count_of, self._counter.integer, self._loaders.train)
         super().setup(trainer)
         self._engine = self._make_engine()
         self._hooks.evaluation = EvaluationLoss(self.root_device, self._engine.group)
@@ -138,7 +131,7 @@ class WeightedTrainerStrategy(LoopResults, ParallelStrategy):
         with self._replays.step(self.lightning_module, self._hooks.replays, self._hooks.replaying):
             output = super().training_step(*args, **kwargs)
         counter = None if self._loop.counts_ahead else self._counter
-        output = self._loop.add_output(output, args[0], extract_batch_size, counter)
+        output = add_output(self._loop, output, args[0], counter)
         counted = counter is not None or self.counts_ahead or (isinstance(output, dict) and "count" in output)
         if not counted and not self._implicit_noted:
             self._implicit_noted = True
@@ -188,13 +181,10 @@ class WeightedTrainerStrategy(LoopResults, ParallelStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        # Lightning's logging mean-reduces its integer batch-size sums, and an integer mean floors (7 items on 2
-        # ranks: 3): the mean of an integer tensor is taken in float64 (Lightning issue #21859).
         if not isinstance(tensor, Tensor):
             return tensor
-        if not tensor.is_floating_point() and str(reduce_op).lower() in ("mean", "avg"):
-            tensor = tensor.double()
-        return self._replays.reduce(tensor, reduce_op, group, super().reduce)  # type: ignore[safe-super]
+        reduce = super().reduce  # type: ignore[safe-super]
+        return self._replays.reduce(unfloored(tensor, reduce_op), reduce_op, group, reduce)
 
     def _evaluation_step(self, step: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         hooks = self._hooks
@@ -204,3 +194,9 @@ class WeightedTrainerStrategy(LoopResults, ParallelStrategy):
         if not hooks.replaying and args:
             hooks.evaluation.add(output, args[0], hooks.dataloader_idx, self._counter)
         return output
+
+
+_MANUAL = (
+    "{} uses manual optimization (`automatic_optimization=False`), which {} does not weight. Use automatic"
+    " optimization, or a plain strategy and scale the loss yourself."
+)

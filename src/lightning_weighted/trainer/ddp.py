@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -12,13 +11,13 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_weighted._compat import StrategyRegistry, augment_message, join_enabled
+from lightning_weighted._compat import StrategyRegistry, augment_message, join_enabled, register
 from lightning_weighted.data import Policy
 from lightning_weighted.engines import Engine
 from lightning_weighted.engines.ddp import DDPEngine, fp16_backward
 from lightning_weighted.trainer._strategy import WeightedTrainerStrategy
 
-__all__ = ["LAUNCHERS", "WeightedDDPStrategy", "register_launchers"]
+__all__ = ["LAUNCHERS", "WeightedDDPStrategy"]
 
 
 class WeightedDDPStrategy(WeightedTrainerStrategy, DDPStrategy):
@@ -67,7 +66,7 @@ class WeightedDDPStrategy(WeightedTrainerStrategy, DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
-        register_launchers(strategy_registry, cls, LAUNCHERS, "Count-weighted DDP strategy")
+        register(strategy_registry, cls, "Count-weighted DDP strategy", *LAUNCHERS)
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -109,23 +108,9 @@ UNUSED_PARAMETERS = (
     " `strategy=WeightedDDPStrategy(find_unused_parameters=True)`."
 )
 
-Launcher = tuple[str, str, dict[str, Any]]  # a registered name, its start method, extra keyword arguments
-LAUNCHERS: tuple[Launcher, ...] = (
-    ("ddp_weighted", "popen", {}),
-    ("ddp_weighted_spawn", "spawn", {}),
-    ("ddp_weighted_fork", "fork", {}),
-    ("ddp_weighted_find_unused_parameters_true", "popen", {"find_unused_parameters": True}),
+LAUNCHERS: tuple[tuple[str, dict[str, Any]], ...] = (  # a registered name, its keyword arguments
+    ("ddp_weighted", {"start_method": "popen"}),
+    ("ddp_weighted_spawn", {"start_method": "spawn"}),
+    ("ddp_weighted_fork", {"start_method": "fork"}),
+    ("ddp_weighted_find_unused_parameters_true", {"start_method": "popen", "find_unused_parameters": True}),
 )
-
-
-def register_launchers(registry: StrategyRegistry, cls: type, launchers: Sequence[Launcher], what: str) -> None:
-    """Registers ``cls`` under each launcher's name, as Lightning registers ``"ddp"`` and its variants."""
-    for name, start_method, extra in launchers:
-        registry.register(
-            name,
-            cls,
-            description=f"{what} with `start_method` '{start_method}' {extra or ''}".strip(),
-            override=True,  # importing twice leaves the registry as it was
-            start_method=start_method,
-            **extra,
-        )

@@ -16,7 +16,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_weighted._compat import StrategyRegistry, fsdp_setup_helpers, patched
+from lightning_weighted._compat import StrategyRegistry, fsdp_setup_helpers, patched, register
 from lightning_weighted.data import Policy
 from lightning_weighted.engines import Engine
 from lightning_weighted.engines.fsdp1 import FSDP1Engine
@@ -151,12 +151,7 @@ class WeightedFSDPStrategy(WeightedTrainerStrategy, CPUFSDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
-        strategy_registry.register(
-            "fsdp_weighted",
-            cls,
-            description="Count-weighted Fully Sharded Data Parallel (FSDP1) training, on CPU or CUDA",
-            override=True,  # importing twice leaves the registry as it was
-        )
+        register(strategy_registry, cls, "Count-weighted FSDP1, on CPU or CUDA", ("fsdp_weighted", {}))
 
     @override
     def setup(self, trainer: Trainer) -> None:

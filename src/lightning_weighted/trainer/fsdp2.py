@@ -9,7 +9,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
-from lightning_weighted._compat import StrategyRegistry
+from lightning_weighted._compat import StrategyRegistry, register
 from lightning_weighted.data import Policy
 from lightning_weighted.engines import Engine
 from lightning_weighted.engines.fsdp2 import FP16_FIX, FSDP2Engine, data_parallel_group, every_rank_data_parallel
@@ -57,12 +57,7 @@ class WeightedModelParallelStrategy(WeightedTrainerStrategy, ModelParallelStrate
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
-        strategy_registry.register(
-            "fsdp2_weighted",
-            cls,
-            description="Count-weighted FSDP2 (ModelParallelStrategy), data-parallel over every rank by default",
-            override=True,  # importing twice leaves the registry as it was
-        )
+        register(strategy_registry, cls, "Count-weighted FSDP2, every rank data-parallel", ("fsdp2_weighted", {}))
 
     @override
     def setup_environment(self) -> None:
