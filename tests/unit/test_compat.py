@@ -1,0 +1,754 @@
+"""Pins every entry of ``lightning_weighted._compat``: the private symbol it rests on, and the behaviour relied on.
+
+Each test checks that the Lightning or PyTorch symbol is still there with the shape the package uses, then runs the
+entry on the CPU in this one process. A failure names the entry and the symbol (``_compat.<entry>: <symbol>
+changed ...``), so a release that moves one says what moved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+
+from lightning_weighted import _compat
+
+VERSIONS = f"Lightning {lightning.__version__}, torch {torch.__version__}"
+PINNED: set[str] = set()  # the entries a test of this file pins (checked against `_compat.__all__`)
+MISSING = object()
+
+
+def pins(*entries: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Marks a test as the pin of ``entries``."""
+    PINNED.update(entries)
+    return lambda test: test
+
+
+def pinned(entry: str, condition: object, symbol: str, detail: str = "") -> None:
+    """Fails, naming the entry and the private symbol, unless ``condition`` holds."""
+    if not condition:
+        pytest.fail(f"_compat.{entry}: {symbol} changed{f' ({detail})' if detail else ''}, on {VERSIONS}")
+
+
+@contextlib.contextmanager
+def exercising(entry: str, symbol: str) -> Iterator[None]:
+    """Runs the block; an error raised in it fails the test with the entry's and the symbol's names."""
+    try:
+        yield
+    except Exception as error:
+        pytest.fail(f"_compat.{entry}: {symbol} changed ({type(error).__name__}: {error}), on {VERSIONS}")
+
+
+def attribute(entry: str, owner: Any, name: str, where: str) -> Any:
+    """``owner.<name>``, which must exist."""
+    value = getattr(owner, name, MISSING)
+    pinned(entry, value is not MISSING, f"{where}.{name}", "it is gone")
+    return value
+
+
+def takes(entry: str, function: Callable[..., Any], names: list[str], symbol: str) -> None:
+    """``function`` takes the parameters ``names``, in that order (others may follow)."""
+    parameters = [name for name in inspect.signature(function).parameters if name != "self"]
+    pinned(entry, parameters[: len(names)] == names, symbol, f"parameters {parameters}, expected {names} first")
+
+
+def source_says(entry: str, obj: Any, text: str, symbol: str) -> None:
+    """The source of ``obj`` holds ``text`` (what the package relies on Lightning or torch doing there)."""
+    pinned(entry, text in inspect.getsource(obj), symbol, f"its source no longer holds {text!r}")
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path) -> Iterator[None]:
+    """A gloo process group of one rank (this process), destroyed afterwards."""
+    assert not dist.is_initialized(), "a process group leaked from an earlier test"
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=30))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_entry_of_compat_is_pinned_here() -> None:
+    exported = set(_compat.__all__)
+    assert exported == PINNED, (
+        f"_compat.__all__ and the pins of tests/unit/test_compat.py differ: not pinned {sorted(exported - PINNED)},"
+        f" pinned but not exported {sorted(PINNED - exported)}"
+    )
+    for name in exported:
+        assert hasattr(_compat, name), f"_compat.__all__ names {name!r}, which _compat does not define"
+
+
+# --------------------------------------------------------------------------------------- Lightning's types
+
+
+@pins("StrategyRegistry")
+def test_strategy_registry_is_lightnings_registry_type_and_registers_with_init_params() -> None:
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.fabric.strategies import registry as fabric_registry
+    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies import StrategyRegistry as TrainerRegistry
+
+    symbol = "lightning.fabric.strategies.registry._StrategyRegistry"
+    cls = attribute("StrategyRegistry", fabric_registry, "_StrategyRegistry", "lightning.fabric.strategies.registry")
+    pinned("StrategyRegistry", _compat.StrategyRegistry is cls, symbol)
+    pinned("StrategyRegistry", isinstance(TrainerRegistry, cls), symbol, "the Trainer's registry is not one")
+    pinned("StrategyRegistry", isinstance(STRATEGY_REGISTRY, cls), symbol, "Fabric's registry is not one")
+    takes("StrategyRegistry", cls.register, ["name", "strategy", "description", "override"], f"{symbol}.register")
+    takes("StrategyRegistry", DDPStrategy.register_strategies, ["strategy_registry"], "Strategy.register_strategies")
+
+    registry = cls()
+    with exercising("StrategyRegistry", f"{symbol}.register"):
+        for _ in range(2):  # `override=True`: a second import registers the same name again
+            registry.register("x_weighted", DDPStrategy, description="d", override=True, start_method="spawn")
+        entry = registry["x_weighted"]
+    pinned("StrategyRegistry", entry["strategy"] is DDPStrategy, symbol, f"a registered entry reads {entry}")
+    pinned("StrategyRegistry", entry["init_params"] == {"start_method": "spawn"}, symbol, f"init_params {entry}")
+    pinned("StrategyRegistry", entry["description"] == "d", symbol, f"description {entry}")
+
+
+@pins("register")
+def test_register_registers_each_name_with_its_keyword_arguments_and_again_on_reimport() -> None:
+    from lightning.fabric.strategies.registry import _StrategyRegistry
+    from lightning.pytorch.strategies import DDPStrategy
+
+    symbol = "lightning.fabric.strategies.registry._StrategyRegistry"
+    takes("register", _StrategyRegistry.get, ["name", "default"], f"{symbol}.get")
+    registry = _StrategyRegistry()
+    names = [("x_weighted", {}), ("x_weighted_spawn", {"start_method": "spawn"})]
+    with exercising("register", f"{symbol}.register"):
+        for _ in range(2):  # importing twice leaves the registry as it was (`override=True`)
+            _compat.register(registry, DDPStrategy, "Count-weighted", *names)
+    pinned("register", sorted(registry) == ["x_weighted", "x_weighted_spawn"], f"{symbol}.register", f"{registry}")
+    spawn = registry["x_weighted_spawn"]
+    pinned("register", spawn["init_params"] == {"start_method": "spawn"}, f"{symbol}.register", f"init_params {spawn}")
+    pinned("register", spawn["description"] == "Count-weighted (start_method='spawn')", f"{symbol}.register")
+    pinned("register", registry["x_weighted"]["description"] == "Count-weighted", f"{symbol}.register")
+    # Lightning builds a named strategy from the registry with the registered keyword arguments.
+    with exercising("register", f"{symbol}.get"):
+        built = registry.get("x_weighted_spawn")
+    pinned("register", type(built) is DDPStrategy, f"{symbol}.get", f"built {type(built).__name__}")
+    pinned("register", getattr(built, "_start_method", None) == "spawn", f"{symbol}.get", "the init_params")
+
+
+@pins("unfloored")
+def test_unfloored_turns_integer_tensors_to_float64_only_for_the_mean_lightnings_logging_asks_for() -> None:
+    from lightning.pytorch.trainer.connectors.logger_connector import result
+
+    # Lightning's logging syncs its integer batch-size sum with the op named after `reduce_fx` ("mean"), which
+    # floors an integer mean (Lightning issue #21859): what the strategies' reduce passes through `unfloored`.
+    source_says("unfloored", result._Metadata.sync.fset, "sync.op = self.reduce_fx.__name__", "_Metadata.sync")
+    source_says("unfloored", result._ResultMetric, '"cumulated_batch_size", torch.tensor(0)', "_ResultMetric")
+    source_says("unfloored", result._ResultMetric.compute, "self.meta.sync(self.cumulated_batch_size)", "compute")
+    pinned("unfloored", torch.mean.__name__ == "mean", "torch.mean.__name__")
+    # ... and `_sync_ddp` takes "mean" for "avg", and copies an integer mean back into the integer tensor (floored).
+    from lightning.fabric.utilities import distributed
+
+    sync = attribute("unfloored", distributed, "_sync_ddp", "lightning.fabric.utilities.distributed")
+    source_says("unfloored", sync, 'reduce_op = "avg" if reduce_op == "mean" else reduce_op', "_sync_ddp")
+    source_says("unfloored", sync, "result.copy_(result / world_size)", "_sync_ddp (the floored integer mean)")
+
+    for op in ["mean", "avg", "MEAN", "Avg"]:
+        for dtype in (torch.int64, torch.int32):
+            out = _compat.unfloored(torch.tensor([7], dtype=dtype), op)
+            exact = out.dtype == torch.float64 and out.tolist() == [float(torch.tensor([7], dtype=dtype).item())]
+            pinned("unfloored", exact, "Lightning's integer mean", f"{dtype} under {op!r} gave {out!r}")
+    integers, floats = torch.tensor([7]), torch.tensor([7.0])
+    for op in ["sum", "max", dist.ReduceOp.SUM, None]:
+        pinned("unfloored", _compat.unfloored(integers, op) is integers, "Lightning's reduce", f"{op!r}: not a mean")
+    for op in ["mean", "sum", dist.ReduceOp.AVG]:
+        pinned("unfloored", _compat.unfloored(floats, op) is floats, "Lightning's reduce", f"{op!r}: a float tensor")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="_compat.unfloored matches 'reduceop.avg', but str(dist.ReduceOp.AVG) is 'RedOpType.AVG' (torch 2.13)",
+)
+def test_unfloored_also_unfloors_an_integer_mean_asked_for_by_the_reduce_op_enum() -> None:
+    assert _compat.unfloored(torch.tensor([7]), dist.ReduceOp.AVG).dtype == torch.float64
+
+
+@pins("BackwardSyncControl")
+def test_backward_sync_control_is_the_abstract_control_fabric_asks_its_strategy_for() -> None:
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import ModelParallelStrategy
+    from lightning.fabric.strategies import strategy as fabric_strategy
+
+    symbol = "lightning.fabric.strategies.strategy._BackwardSyncControl"
+    cls = attribute("BackwardSyncControl", fabric_strategy, "_BackwardSyncControl", "lightning.fabric.strategies")
+    pinned("BackwardSyncControl", _compat.BackwardSyncControl is cls, symbol)
+    pinned("BackwardSyncControl", cls.__abstractmethods__ == {"no_backward_sync"}, symbol, "its abstract methods")
+    takes("BackwardSyncControl", cls.no_backward_sync, ["module", "enabled"], f"{symbol}.no_backward_sync")
+    source_says(
+        "BackwardSyncControl",
+        Fabric.no_backward_sync,
+        "self._strategy._backward_sync_control.no_backward_sync(",
+        "Fabric.no_backward_sync (through Strategy._backward_sync_control)",
+    )
+    strategy = ModelParallelStrategy(parallelize_fn=lambda module, mesh: module)
+    control = attribute("BackwardSyncControl", strategy, "_backward_sync_control", "ModelParallelStrategy")
+    pinned("BackwardSyncControl", isinstance(control, cls), "ModelParallelStrategy._backward_sync_control")
+
+    class Marking(_compat.BackwardSyncControl):
+        def __init__(self) -> None:
+            self.calls: list[bool] = []
+
+        def no_backward_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[None]:
+            self.calls.append(enabled)
+            return contextlib.nullcontext()
+
+    marking = Marking()
+    strategy._backward_sync_control = marking  # what the Fabric FSDP2 strategy does
+    with strategy._backward_sync_control.no_backward_sync(nn.Linear(1, 1), True):
+        pass
+    pinned("BackwardSyncControl", marking.calls == [True], "Strategy._backward_sync_control", "the control asked")
+
+
+# --------------------------------------------------------------------------------------- the Trainer's loaders
+
+
+@pins("LOADER_BARRIERS")
+def test_loader_barriers_are_the_names_lightning_passes_right_before_it_processes_each_stages_loaders() -> None:
+    from lightning.pytorch.loops import evaluation_loop, fit_loop
+    from lightning.pytorch.trainer.states import RunningStage
+
+    expected = {"train_dataloader()": "train", "val_dataloader()": "val", "test_dataloader()": "test"}
+    pinned("LOADER_BARRIERS", expected == _compat.LOADER_BARRIERS, "the loops' barrier names", "the entry itself")
+    # Lightning's loops name the barrier (`trainer/connectors/data_connector.py` only processes the loaders).
+    evaluation = 'trainer.strategy.barrier(f"{stage.dataloader_prefix}_dataloader()")'
+    for module, call in [
+        (fit_loop._FitLoop.setup_data, 'trainer.strategy.barrier("train_dataloader()")'),
+        (evaluation_loop._EvaluationLoop.setup_data, evaluation),
+    ]:
+        source = inspect.getsource(module)
+        where = f"{module.__qualname__} ({call})"
+        pinned("LOADER_BARRIERS", call in source, where, "the barrier's name")
+        pinned("LOADER_BARRIERS", source.find(call) < source.find("_process_dataloader("), where, "the order")
+    prefixes = {stage: stage.dataloader_prefix for stage in RunningStage}
+    for stage, prefix in [("VALIDATING", "val"), ("SANITY_CHECKING", "val"), ("TESTING", "test")]:
+        pinned("LOADER_BARRIERS", prefixes[RunningStage[stage]] == prefix, f"RunningStage.{stage}.dataloader_prefix")
+
+    # And in a run: each loader's processing comes right after the barrier LOADER_BARRIERS maps to its stage.
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    class Recording(SingleDeviceStrategy):
+        def __init__(self) -> None:
+            super().__init__(device=torch.device("cpu"))
+            self.last, self.seen = "", []  # the last barrier's name; (that name, the stage) of each loader
+
+        def barrier(self, name: str | None = None) -> None:
+            self.last = name or ""
+            super().barrier(name)
+
+        def process_dataloader(self, dataloader: object) -> object:
+            stage = self.lightning_module.trainer.state.stage  # type: ignore[union-attr]
+            self.seen.append((self.last, stage.dataloader_prefix))
+            return super().process_dataloader(dataloader)
+
+    strategy = Recording()
+    trainer = Trainer(
+        strategy=strategy, max_steps=1, limit_val_batches=1, limit_test_batches=1, num_sanity_val_steps=0,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(BoringModel())
+    trainer.test(BoringModel(), verbose=False)
+    seen = strategy.seen
+    mapped = all(_compat.LOADER_BARRIERS.get(name) == stage for name, stage in seen)
+    pinned("LOADER_BARRIERS", mapped, "Strategy.barrier(name) before Strategy.process_dataloader", f"seen {seen}")
+    pinned("LOADER_BARRIERS", {stage for _, stage in seen} == {"train", "val", "test"}, "the loops", f"seen {seen}")
+
+
+@pins("set_sampler")
+def test_set_sampler_swaps_the_sampler_of_a_built_loader_which_dataloader_refuses_to_set() -> None:
+    data = list(range(6))
+
+    def collate(batch: list[int]) -> list[int]:
+        return batch
+
+    loader = DataLoader(data, batch_size=2, collate_fn=collate)
+    reverse = list(reversed(range(6)))
+    with pytest.raises(ValueError, match="sampler"):  # why `set_sampler` goes past DataLoader.__setattr__
+        loader.sampler = reverse  # type: ignore[assignment]
+    with exercising("set_sampler", "DataLoader.batch_sampler.sampler"):
+        _compat.set_sampler(loader, reverse)
+    pinned("set_sampler", loader.sampler is reverse, "DataLoader.sampler")
+    pinned("set_sampler", loader.batch_sampler.sampler is reverse, "BatchSampler.sampler")  # type: ignore[union-attr]
+    same = (loader.batch_size, loader.collate_fn, loader.num_workers) == (2, collate, 0)
+    pinned("set_sampler", same, "DataLoader", "batch_size, collate_fn and num_workers are kept")
+    pinned("set_sampler", list(loader) == [[5, 4], [3, 2], [1, 0]], "DataLoader's index sampler", "iteration order")
+
+    unbatched = DataLoader(data, batch_size=None)  # no batch sampler: the sampler yields the indices itself
+    _compat.set_sampler(unbatched, reverse)
+    pinned("set_sampler", [int(x) for x in unbatched] == reverse, "DataLoader._index_sampler", "without batches")
+
+
+@pins("rebuild_loader")
+def test_rebuild_loader_builds_the_loader_again_around_the_new_sampler_and_batch_sampler() -> None:
+    from lightning.pytorch.utilities import data as lightning_data
+
+    symbol = "lightning.pytorch.utilities.data._update_dataloader"
+    update = attribute("rebuild_loader", lightning_data, "_update_dataloader", "lightning.pytorch.utilities.data")
+    takes("rebuild_loader", update, ["dataloader", "sampler"], symbol)
+
+    def collate(batch: list[int]) -> list[int]:
+        return batch
+
+    class Batches(BatchSampler):  # a custom batch sampler: why `data.py` rebuilds instead of swapping
+        pass
+
+    data = list(range(6))
+    reverse = list(reversed(range(6)))
+    loader = DataLoader(data, batch_size=2, collate_fn=collate, num_workers=0)
+    custom = DataLoader(data, batch_sampler=Batches(SequentialSampler(data), 3, False), collate_fn=collate)
+    with exercising("rebuild_loader", symbol):
+        rebuilt = _compat.rebuild_loader(loader, reverse)
+        rebuilt_custom = _compat.rebuild_loader(custom, reverse)
+    pinned("rebuild_loader", rebuilt is not loader and type(rebuilt) is DataLoader, symbol, "a new DataLoader")
+    pinned("rebuild_loader", rebuilt.sampler is reverse, symbol, "the sampler")
+    same = (rebuilt.batch_size, rebuilt.collate_fn, rebuilt.num_workers) == (2, collate, 0)
+    pinned("rebuild_loader", same, symbol, "batch_size, collate_fn and num_workers are kept")
+    pinned("rebuild_loader", list(rebuilt) == [[5, 4], [3, 2], [1, 0]], symbol, "iteration order")
+    batches = rebuilt_custom.batch_sampler
+    pinned("rebuild_loader", type(batches) is Batches and batches.sampler is reverse, symbol, "the batch sampler")
+    pinned("rebuild_loader", list(rebuilt_custom) == [[5, 4, 3], [2, 1, 0]], symbol, "custom batches' order")
+
+
+@pins("extend", "own_state", "restore")
+def test_extend_own_state_and_restore_on_a_plain_dataloader() -> None:
+    loader = DataLoader(list(range(6)), batch_size=2)
+    with exercising("extend", "DataLoader.__class__ assignment"):
+        extended = _compat.extend(loader, lambda batches: (batch * 10 for batch in batches))
+        _compat.extend(extended, lambda batches: (batch + 1 for batch in batches), length=lambda: 2)
+    pinned("extend", extended is loader and isinstance(loader, DataLoader), "DataLoader", "the same object")
+    pinned("extend", type(loader).__name__ == "DataLoader", "DataLoader", "the class keeps its name")
+    batches = [batch.tolist() for batch in loader]
+    pinned("extend", batches == [[1, 11], [21, 31], [41, 51]], "DataLoader.__iter__", f"stages in order: {batches}")
+    pinned("extend", len(loader) == 2, "DataLoader.__len__", "the length given")
+    pinned("own_state", _compat.own_state(loader) is None, "DataLoader.state_dict", "a plain loader has none")
+
+    with exercising("restore", "DataLoader.__class__ assignment"):
+        restored = _compat.restore(loader)
+    pinned("restore", restored is loader and type(loader) is DataLoader, "DataLoader", "its own class back")
+    pinned("restore", not hasattr(loader, "_lw") and len(loader) == 3, "DataLoader", "no extension left")
+    pinned("restore", [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5]], "DataLoader", "its own iteration")
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")  # torchdata 0.11's, on torch 2.13
+@pins("extend", "own_state", "restore")
+def test_extend_own_state_and_restore_on_a_stateful_dataloader_and_a_plain_iterable() -> None:
+    from lightning.fabric.utilities.types import _Stateful
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    data = list(range(8))
+    loader = StatefulDataLoader(data, batch_size=2)
+    extended = _compat.extend(loader, lambda batches: (batch * 10 for batch in batches))
+    pinned("extend", extended is loader and isinstance(loader, StatefulDataLoader), "StatefulDataLoader")
+    # Lightning saves the state of each loader that is `_Stateful` (`CombinedLoader._state_dicts`)
+    pinned("extend", isinstance(loader, _Stateful), "lightning.fabric.utilities.types._Stateful")
+    own = _compat.own_state(loader)
+    pinned("own_state", callable(own), "StatefulDataLoader.state_dict", "the loader's own state_dict")
+    assert own is not None
+    iterator = iter(loader)
+    first = [next(iterator).tolist(), next(iterator).tolist()]
+    pinned("extend", first == [[0, 10], [20, 30]], "StatefulDataLoader.__iter__", f"the stage ran: {first}")
+    with exercising("extend", "StatefulDataLoader.state_dict"):
+        state = loader.state_dict()  # no earlier moment set: the loader's own state
+    pinned("extend", state == own(), "StatefulDataLoader.state_dict", "the extended state_dict is the loader's")
+    resumed = StatefulDataLoader(data, batch_size=2)
+    with exercising("extend", "StatefulDataLoader.load_state_dict"):
+        resumed.load_state_dict(state)
+        rest = [batch.tolist() for batch in resumed]
+    pinned("extend", rest == [[4, 5], [6, 7]], "StatefulDataLoader.state_dict", f"the state of 2 batches: {rest}")
+
+    loader._lw.state = lambda: {"earlier": 1}  # what Lightning has consumed, as `_loaders.py` sets it
+    pinned("extend", loader.state_dict() == {"earlier": 1}, "StatefulDataLoader.state_dict", "the earlier state")
+    pinned("own_state", own() != {"earlier": 1}, "StatefulDataLoader.state_dict", "own_state goes past the extension")
+
+    _compat.restore(loader)
+    pinned("restore", type(loader) is StatefulDataLoader and not hasattr(loader, "_lw"), "StatefulDataLoader")
+    pinned("restore", "earlier" not in loader.state_dict(), "StatefulDataLoader.state_dict", "its own again")
+
+    # Any other iterable is wrapped (and given back by `restore`); its state_dict, if any, is read through.
+    iterable = [torch.tensor(1), torch.tensor(2)]
+    wrapped = _compat.extend(iterable, lambda items: (item + 1 for item in items))
+    runs = wrapped is not iterable and [int(x) for x in wrapped] == [2, 3] and len(wrapped) == 2
+    pinned("extend", runs, "iter() of an iterable", "a wrapped iterable runs its stage")
+    pinned("own_state", _compat.own_state(wrapped) is None, "state_dict of an iterable", "a list has none")
+    pinned("restore", _compat.restore(wrapped) is iterable, "iter() of an iterable", "the iterable given back")
+
+
+# --------------------------------------------------------------------------------------- patches and warnings
+
+
+@pins("patched")
+def test_patched_sets_methods_on_the_instance_only_and_puts_back_what_was_there_also_on_an_error() -> None:
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.plugins.precision import FSDPPrecision, Precision
+    from lightning.pytorch.trainer import call
+
+    # What the package patches, and that Lightning reaches it through the instance.
+    hooks = ["on_train_batch_start", "lr_scheduler_step", "on_validation_batch_start", "on_test_batch_start"]
+    for name in [*hooks, "on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end", "log", "log_dict"]:
+        attribute("patched", LightningModule, name, "LightningModule")
+    takes("patched", LightningModule.lr_scheduler_step, ["scheduler", "metric"], "LightningModule.lr_scheduler_step")
+    takes("patched", LightningModule.on_train_batch_start, ["batch", "batch_idx"], "on_train_batch_start")
+    source_says(
+        "patched", call._call_lightning_module_hook, "getattr(pl_module, hook_name)", "_call_lightning_module_hook"
+    )
+    attribute("patched", FSDPPrecision, "clip_grad_by_norm", "FSDPPrecision")
+    source_says("patched", Precision.clip_gradients, "self.clip_grad_by_norm(", "Precision.clip_gradients")
+
+    class Module(nn.Module):
+        def hook(self) -> str:
+            return "own"
+
+    module, other = Module(), Module()
+    module.kept = lambda: "instance's own"  # type: ignore[attr-defined]
+    with _compat.patched(module, hook=lambda: "patched", kept=lambda: "patched too"):
+        inside = (module.hook(), module.kept(), other.hook()) == ("patched", "patched too", "own")  # type: ignore[operator]
+        pinned("patched", inside, "nn.Module.__setattr__", "the instance's methods are set, no other's")
+        pinned("patched", Module.hook(module) == "own", "nn.Module.__setattr__", "the class is untouched")
+    after = module.hook() == "own" and "hook" not in vars(module) and module.kept() == "instance's own"  # type: ignore[operator]
+    pinned("patched", after, "nn.Module.__dict__", "what the instance had is put back, nothing else left")
+
+    with pytest.raises(KeyError), _compat.patched(module, hook=lambda: "patched"):
+        raise KeyError("inside")
+    pinned("patched", module.hook() == "own" and "hook" not in vars(module), "nn.Module.__dict__", "on an error")
+
+
+@pins("silenced")
+def test_silenced_ignores_exactly_the_matching_warning_for_the_block() -> None:
+    from lightning.pytorch.trainer.connectors import data_connector
+    from lightning.pytorch.utilities import rank_zero_warn
+    from lightning.pytorch.utilities.warnings import PossibleUserWarning
+
+    text = "Using `DistributedSampler` with the dataloaders"  # what the Trainer strategies silence
+    source_says("silenced", data_connector, f'f"{text}.', "data_connector's DistributedSampler warning")
+    source_says("silenced", data_connector, "category=PossibleUserWarning", "data_connector's warning category")
+
+    def shown(message: str, category: type[Warning]) -> bool:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with _compat.silenced(text, PossibleUserWarning):
+                rank_zero_warn(message, category=category)
+            return bool(caught)
+
+    pinned("silenced", not shown(f"{text}. During `trainer.validate()`", PossibleUserWarning), "warnings.filters")
+    pinned("silenced", shown(f"{text}. During", UserWarning), "warnings.filters", "another category is shown")
+    pinned("silenced", shown(f"Not {text}", PossibleUserWarning), "warnings.filters", "matched at the start only")
+    pinned("silenced", shown("another warning", PossibleUserWarning), "warnings.filters", "another is shown")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        before = list(warnings.filters)
+        with _compat.silenced(text, PossibleUserWarning):
+            rank_zero_warn(f"{text}. Inside", category=PossibleUserWarning)
+        pinned("silenced", warnings.filters == before, "warnings.filters", "its filter is gone after the block")
+        with pytest.raises(KeyError), _compat.silenced(text, PossibleUserWarning):
+            raise KeyError("inside")
+        pinned("silenced", warnings.filters == before, "warnings.filters", "its filter is gone after an error")
+        rank_zero_warn(f"{text}. After", category=PossibleUserWarning)
+    messages = [str(warning.message) for warning in caught]
+    pinned("silenced", messages == [f"{text}. After"], "warnings.filters", f"shown again after the block: {messages}")
+
+
+@pins("augment_message")
+def test_augment_message_replaces_a_matching_message_of_an_exception() -> None:
+    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.utilities import exceptions
+
+    symbol = "lightning.pytorch.utilities.exceptions._augment_message"
+    augment = attribute("augment_message", exceptions, "_augment_message", "lightning.pytorch.utilities.exceptions")
+    takes("augment_message", augment, ["exception", "pattern", "new_message"], symbol)
+    source_says("augment_message", DDPStrategy.on_exception, "_augment_message(", "DDPStrategy.on_exception")
+
+    pattern = ".*Expected to have finished reduction in the prior iteration.*"  # the pattern `trainer/ddp.py` passes
+    error = RuntimeError("DDP:\nExpected to have finished reduction in the prior iteration before starting", 3)
+    with exercising("augment_message", symbol):
+        _compat.augment_message(error, pattern, "use find_unused_parameters")
+    pinned("augment_message", error.args == ("use find_unused_parameters", 3), symbol, f"args {error.args}")
+    other = RuntimeError("something else")
+    _compat.augment_message(other, pattern, "use find_unused_parameters")
+    pinned("augment_message", other.args == ("something else",), symbol, "a message that does not match is kept")
+
+
+@pins("forward_redirection")
+def test_forward_redirection_runs_a_method_of_the_module_through_its_wrappers_forward() -> None:
+    from lightning.pytorch.strategies import SingleDeviceStrategy, Strategy
+    from lightning.pytorch.strategies import strategy as strategy_module
+
+    symbol = "lightning.pytorch.strategies.Strategy._forward_redirection"
+    strategy = SingleDeviceStrategy(device=torch.device("cpu"))
+    redirection = attribute("forward_redirection", strategy, "_forward_redirection", "Strategy")
+    cls = attribute("forward_redirection", strategy_module, "_ForwardRedirection", "lightning.pytorch.strategies")
+    pinned("forward_redirection", isinstance(redirection, cls), symbol, f"it is a {type(redirection).__name__}")
+    takes("forward_redirection", cls.__call__, ["wrapper_module", "original_module", "method_name"], symbol)
+    source_says("forward_redirection", Strategy.training_step, "self._forward_redirection(self.model", symbol)
+
+    class Inner(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return x + 100
+
+        def training_step(self, x: Tensor, y: Tensor) -> Tensor:
+            return x * y
+
+    class Wrapper(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner, self.calls = inner, 0
+
+        def forward(self, *args: Any) -> Any:
+            self.calls += 1  # FSDP1's root gathers its parameters here
+            return self.inner(*args)
+
+    inner = Inner()
+    wrapper = Wrapper(inner)
+    with exercising("forward_redirection", symbol):
+        out = _compat.forward_redirection(
+            strategy, wrapper, inner, "training_step", torch.tensor(3.0), torch.tensor(4.0)
+        )
+    pinned("forward_redirection", float(out) == 12.0 and wrapper.calls == 1, symbol, "through the wrapper's forward")
+    pinned("forward_redirection", float(inner(torch.tensor(1.0))) == 101.0, symbol, "the module's forward is put back")
+
+
+@pins("join_enabled")
+def test_join_enabled_reads_ddps_join_config(one_rank: None) -> None:
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel
+
+    pinned("join_enabled", _compat.join_enabled(nn.Linear(2, 2)) is False, "_join_config", "a plain module")
+    ddp = DistributedDataParallel(nn.Linear(2, 2))
+    config = attribute("join_enabled", ddp, "_join_config", "DistributedDataParallel")
+    attribute("join_enabled", config, "enable", "DistributedDataParallel._join_config")
+    pinned("join_enabled", _compat.join_enabled(ddp) is False, "DistributedDataParallel._join_config.enable")
+    with exercising("join_enabled", "DistributedDataParallel._join_config"), Join([ddp]):
+        pinned("join_enabled", _compat.join_enabled(ddp) is True, "DistributedDataParallel._join_config.enable")
+    with ddp.join(enable=False):
+        pinned("join_enabled", _compat.join_enabled(ddp) is False, "DistributedDataParallel._join_config.enable")
+
+
+# --------------------------------------------------------------------------------------- tensors and metrics
+
+
+@pins("multiply")
+def test_multiply_multiplies_a_list_of_tensors_in_place_by_a_tensor_or_a_float() -> None:
+    attribute("multiply", torch, "_foreach_mul_", "torch")
+    tensors = [torch.ones(3), torch.full((2, 2), 2.0)]
+    storages = [t.data_ptr() for t in tensors]
+    with exercising("multiply", "torch._foreach_mul_"):
+        _compat.multiply(tensors, torch.tensor(0.5, dtype=torch.float64))  # the loop's float64 factor (0-d)
+    pinned("multiply", [t.data_ptr() for t in tensors] == storages, "torch._foreach_mul_", "not in place")
+    pinned("multiply", all(t.dtype == torch.float32 for t in tensors), "torch._foreach_mul_", "the dtype changed")
+    halved = torch.equal(tensors[0], torch.full((3,), 0.5)) and torch.equal(tensors[1], torch.ones(2, 2))
+    pinned("multiply", halved, "torch._foreach_mul_", "by a 0-dim float64 tensor")
+    _compat.multiply(tensors, 4.0)
+    quadrupled = torch.equal(tensors[0], torch.full((3,), 2.0)) and torch.equal(tensors[1], torch.full((2, 2), 4.0))
+    pinned("multiply", quadrupled, "torch._foreach_mul_", "by a float")
+    halves = [torch.ones(2, dtype=torch.bfloat16)]
+    _compat.multiply(halves, torch.tensor(0.25, dtype=torch.float64))
+    pinned("multiply", torch.equal(halves[0], torch.full((2,), 0.25, dtype=torch.bfloat16)), "torch._foreach_mul_")
+
+
+@pins("metric_snapshot", "metric_restore")
+def test_metric_snapshot_and_restore_undo_updates_their_count_and_the_cached_result() -> None:
+    from torchmetrics import Metric
+    from torchmetrics.aggregation import CatMetric, MeanMetric
+
+    for name in ["_update_count", "_computed"]:
+        pinned("metric_snapshot", name in vars(MeanMetric()), f"torchmetrics.Metric.{name}", "it is gone")
+    pinned("metric_snapshot", isinstance(getattr(Metric, "metric_state", None), property), "Metric.metric_state")
+
+    mean = MeanMetric()
+    mean.update(torch.tensor([1.0, 2.0]))
+    mean.update(torch.tensor(3.0))
+    computed = mean.compute()
+    snapshot = _compat.metric_snapshot(mean)
+    mean.update(torch.tensor(100.0))  # a replay's update
+    pinned("metric_snapshot", mean._update_count == 3, "torchmetrics.Metric._update_count", "counts the updates")
+    with exercising("metric_restore", "torchmetrics.Metric._update_count"):
+        _compat.metric_restore(mean, snapshot)
+    pinned("metric_restore", mean._update_count == 2, "torchmetrics.Metric._update_count", "put back")
+    pinned("metric_restore", mean._computed is computed, "torchmetrics.Metric._computed", "put back")
+    mean.reset()
+    mean.update(torch.tensor([1.0, 2.0, 3.0]))
+    pinned("metric_restore", float(mean.compute()) == 2.0, "torchmetrics.Metric.metric_state", "restored state works")
+
+    mean = MeanMetric()
+    mean.update(torch.tensor([1.0, 3.0]))
+    snapshot = _compat.metric_snapshot(mean)
+    mean.update(torch.tensor(100.0))
+    _compat.metric_restore(mean, snapshot)
+    pinned("metric_restore", float(mean.compute()) == 2.0, "torchmetrics.Metric.metric_state", "the mean is undone")
+
+    cat = CatMetric()  # a list state
+    cat.update(torch.tensor([1.0, 2.0]))
+    snapshot = _compat.metric_snapshot(cat)
+    cat.update(torch.tensor([9.0]))
+    _compat.metric_restore(cat, snapshot)
+    pinned("metric_restore", cat.compute().tolist() == [1.0, 2.0], "Metric.metric_state", "a list state is undone")
+    pinned("metric_restore", cat._update_count == 1, "torchmetrics.Metric._update_count", "of a list state")
+
+
+# --------------------------------------------------------------------------------------- FSDP and collectives
+
+
+@pins("fsdp_setup_helpers")
+def test_fsdp_setup_helpers_are_lightnings_fsdp1_setup_functions() -> None:
+    from lightning.fabric.strategies import fsdp
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torchmetrics.aggregation import MeanMetric
+
+    move, checkpointing = _compat.fsdp_setup_helpers()
+    symbols = {"_move_torchmetrics_to_device": ["module", "device"], "_setup_activation_checkpointing": ["module"]}
+    for (name, parameters), helper in zip(symbols.items(), (move, checkpointing), strict=True):
+        pinned("fsdp_setup_helpers", callable(helper), f"lightning.fabric.strategies.fsdp.{name}")
+        pinned("fsdp_setup_helpers", helper is getattr(fsdp, name, None), f"lightning.fabric.strategies.fsdp.{name}")
+        takes("fsdp_setup_helpers", helper, parameters, f"lightning.fabric.strategies.fsdp.{name}")
+        source_says("fsdp_setup_helpers", FSDPStrategy._setup_model, f"{name}(", "FSDPStrategy._setup_model")
+    # The package passes the strategy's own checkpointing arguments (`trainer/fsdp1.py`).
+    kwargs = attribute("fsdp_setup_helpers", FSDPStrategy(), "_activation_checkpointing_kwargs", "FSDPStrategy")
+    pinned("fsdp_setup_helpers", kwargs == {}, "FSDPStrategy._activation_checkpointing_kwargs", f"{kwargs}")
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 1))
+    model.metric = MeanMetric()
+    with exercising("fsdp_setup_helpers", "lightning.fabric.strategies.fsdp helpers"):
+        move(model, torch.device("cpu"))
+        checkpointing(model, {})  # nothing configured: nothing done
+        none = not any(isinstance(m, CheckpointWrapper) for m in model.modules())
+        pinned("fsdp_setup_helpers", none, "_setup_activation_checkpointing", "with no arguments, nothing")
+        checkpointing(model, {"check_fn": lambda m: isinstance(m, nn.Linear)})
+    wrapped = [m for m in model.modules() if isinstance(m, CheckpointWrapper)]
+    pinned("fsdp_setup_helpers", len(wrapped) == 2, "_setup_activation_checkpointing", "wraps the chosen layers")
+    pinned("fsdp_setup_helpers", model.metric.device.type == "cpu", "_move_torchmetrics_to_device")
+
+
+@pins("reduce_scatter")
+def test_reduce_scatter_sums_into_the_output_synchronously_and_asynchronously(one_rank: None) -> None:
+    single = getattr(dist, "reduce_scatter_single", None)
+    tensor = getattr(dist, "reduce_scatter_tensor", None)
+    pinned("reduce_scatter", single or tensor, "torch.distributed.reduce_scatter_single/reduce_scatter_tensor")
+    for name, function in [("reduce_scatter_single", single), ("reduce_scatter_tensor", tensor)]:
+        if function is not None:  # called by keyword (the first) or by position (the second)
+            takes("reduce_scatter", function, ["output", "input", "op", "group", "async_op"], f"dist.{name}")
+
+    output, source = torch.zeros(3), torch.arange(3.0)
+    with exercising("reduce_scatter", "torch.distributed.reduce_scatter_single"):
+        result = _compat.reduce_scatter(output, source, dist.group.WORLD, dist.ReduceOp.SUM)
+    pinned("reduce_scatter", result is None and torch.equal(output, source), "dist.reduce_scatter_single", "SUM")
+    with exercising("reduce_scatter", "torch.distributed.reduce_scatter_single"):
+        work = _compat.reduce_scatter(output, source * 2, None, dist.ReduceOp.SUM, async_op=True)
+        work.wait()
+    pinned("reduce_scatter", torch.equal(output, source * 2), "dist.reduce_scatter_single", "async_op=True")
+
+
+@pins("flatten_mesh")
+def test_flatten_mesh_gives_one_dimension_over_several_of_a_device_mesh(one_rank: None) -> None:
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    attribute("flatten_mesh", DeviceMesh, "_flatten", "torch.distributed.device_mesh.DeviceMesh")
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    with exercising("flatten_mesh", "DeviceMesh._flatten"):
+        flat = _compat.flatten_mesh(mesh, ("replicate", "shard"))
+        group = flat.get_group()
+    pinned("flatten_mesh", isinstance(flat, DeviceMesh) and flat.ndim == 1, "DeviceMesh._flatten", f"gave {flat}")
+    pinned("flatten_mesh", dist.get_world_size(group) == 1, "DeviceMesh._flatten", "its group")
+
+
+@pins("fsdp2_param_groups")
+def test_fsdp2_param_groups_exposes_each_groups_policy_and_mesh_info(one_rank: None) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    symbol = "FSDPModule._get_fsdp_state()._fsdp_param_groups"
+    attribute("fsdp2_param_groups", FSDPModule, "_get_fsdp_state", "torch.distributed.fsdp.FSDPModule")
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    module = nn.Linear(2, 2)
+    fully_shard(module, mesh=init_device_mesh("cpu", (1,)), mp_policy=policy)
+    with exercising("fsdp2_param_groups", symbol):
+        groups = _compat.fsdp2_param_groups(module)
+    pinned("fsdp2_param_groups", isinstance(groups, list) and len(groups) == 1, symbol, f"gave {groups!r}")
+    group = groups[0]
+    pinned("fsdp2_param_groups", getattr(group, "mp_policy", None) == policy, f"{symbol}[i].mp_policy")
+    mesh_info = attribute("fsdp2_param_groups", group, "mesh_info", symbol)
+    # `engines/fsdp2.py` reads these through getattr with a default of 1: they must be there to mean anything.
+    pinned("fsdp2_param_groups", getattr(mesh_info, "shard_mesh_size", None) == 1, f"{symbol}[i].mesh_info")
+
+    hybrid = nn.Linear(2, 2)
+    fully_shard(hybrid, mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard")))
+    info = _compat.fsdp2_param_groups(hybrid)[0].mesh_info
+    sizes = (getattr(info, "replicate_mesh_size", None), getattr(info, "shard_mesh_size", None))
+    pinned("fsdp2_param_groups", sizes == (1, 1), f"{symbol}[i].mesh_info.replicate_mesh_size", f"HSDP: {sizes}")
+
+    empty = nn.Sequential(nn.ReLU())
+    fully_shard(empty, mesh=init_device_mesh("cpu", (1,)))
+    pinned("fsdp2_param_groups", _compat.fsdp2_param_groups(empty) == [], symbol, "a module without parameters")
+
+
+@pins("flat_parameters")
+def test_flat_parameters_lists_each_fsdp1_units_flat_parameter(one_rank: None) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+    symbol = "FullyShardedDataParallel._flat_param"
+    attribute("flat_parameters", FullyShardedDataParallel, "fsdp_modules", "FullyShardedDataParallel")
+    # As `trainer/fsdp1.py` wraps on the CPU; NO_SHARD, which FSDP1 switches to (with a warning) on one rank.
+    kwargs: dict[str, Any] = {"device_id": torch.device("cpu"), "sharding_strategy": ShardingStrategy.NO_SHARD}
+    inner = FullyShardedDataParallel(nn.Linear(2, 3), **kwargs)
+    root = FullyShardedDataParallel(nn.Sequential(inner, nn.Linear(3, 1)), **kwargs)
+    only = FullyShardedDataParallel(nn.Sequential(FullyShardedDataParallel(nn.Linear(2, 3), **kwargs)), **kwargs)
+    with exercising("flat_parameters", symbol):
+        flat = _compat.flat_parameters(root)
+        nested = _compat.flat_parameters(only)
+    pinned("flat_parameters", sorted(p.numel() for p in flat) == [4, 9], symbol, f"sizes {[p.numel() for p in flat]}")
+    pinned("flat_parameters", all(isinstance(p, nn.Parameter) for p in flat), symbol, "not parameters")
+    pinned("flat_parameters", only._flat_param is None and len(nested) == 1, symbol, "a unit without its own")
+    pinned("flat_parameters", _compat.flat_parameters(nn.Linear(2, 2)) == [], "fsdp_modules", "a plain module")
+
+    # The gradient accumulates on the flat parameter (where `engines/fsdp1.py` hooks its zeroing).
+    root(torch.ones(1, 2)).sum().backward()
+    pinned("flat_parameters", all(p.grad is not None for p in flat), f"{symbol}.grad", "no gradient reached it")
+
+
+# --------------------------------------------------------------------------------------- the exit settle
+
+
+def test_the_exit_settle_waits_only_while_a_process_group_exists(tmp_path: Path) -> None:
+    # Relies on no private symbol: `dist.is_available`, `dist.is_initialized` and `atexit` are public.
+    assert isinstance(_compat.EXIT_SETTLE_S, float) and 0 < _compat.EXIT_SETTLE_S < 1
+    source_says("EXIT_SETTLE_S", _compat, "atexit.register(_settle_at_exit)", "_compat's atexit registration")
+    start = time.perf_counter()
+    _compat._settle_at_exit()
+    assert time.perf_counter() - start < _compat.EXIT_SETTLE_S  # no process group: no wait
+    assert not dist.is_initialized()
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1, timeout=timedelta(seconds=30)
+    )
+    try:
+        start = time.perf_counter()
+        _compat._settle_at_exit()
+        assert time.perf_counter() - start >= _compat.EXIT_SETTLE_S
+    finally:
+        dist.destroy_process_group()
+
+
+def test_pinned_names_the_entry_and_the_symbol_that_moved() -> None:
+    with pytest.raises(pytest.fail.Exception, match=r"_compat\.multiply: torch\._foreach_mul_ changed \(gone\)"):
+        pinned("multiply", False, "torch._foreach_mul_", "gone")
+    moved = r"_compat\.flatten_mesh: DeviceMesh\._flatten changed \(AttributeError"
+    with pytest.raises(pytest.fail.Exception, match=moved), exercising("flatten_mesh", "DeviceMesh._flatten"):
+        raise AttributeError("_flatten")
