@@ -39,7 +39,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch import Tensor
 
 import lightning_weighted
-from lightning_weighted.engines.fsdp2 import shard_blocks
+from lightning_weighted import shard_blocks
 
 VOCAB, IGNORE = 64, -100
 LAUNCHER = "fork" if "fork" in torch.multiprocessing.get_all_start_methods() else "spawn"

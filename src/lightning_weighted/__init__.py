@@ -16,6 +16,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_weighted.audit import AuditReport, ObjectiveAudit, ObjectiveMismatchError, is_audit_rerun
 from lightning_weighted.counting import ItemCounter, count_documents, count_examples, count_tokens, count_weights
 from lightning_weighted.data import UnpaddedDistributedSampler
+from lightning_weighted.engines.fsdp2 import shard_blocks
 from lightning_weighted.fabric import WeightedFabricDDPStrategy, WeightedFabricModelParallelStrategy
 from lightning_weighted.trainer import WeightedDDPStrategy, WeightedFSDPStrategy, WeightedModelParallelStrategy
 from lightning_weighted.window import WindowResult
@@ -37,6 +38,7 @@ __all__ = [
     "count_tokens",
     "count_weights",
     "is_audit_rerun",
+    "shard_blocks",
 ]
 
 __version__ = "0.1.0"
@@ -71,5 +73,5 @@ def __getattr__(name: str) -> Any:
         )
         return getattr(__import__(module, fromlist=[attribute]), attribute)
     if name in _GONE:
-        raise AttributeError(f"lightning_weighted.{name} was removed in 0.2: {_GONE[name]}.")
+        raise AttributeError(f"lightning_weighted.{name} was removed: {_GONE[name]}.")
     raise AttributeError(f"module 'lightning_weighted' has no attribute {name!r}")

@@ -1,5 +1,8 @@
 """Every private Lightning and PyTorch symbol this package uses, and every patch it makes, in one place.
 
+Beyond these, one protected method of Lightning's is overridden, as Lightning's own subclasses do and where no
+public hook sits: ``FSDPStrategy._setup_model``, to wrap a module on the CPU (``trainer/fsdp1.py``).
+
 Each entry says why no public API serves and the versions it was checked on (Lightning 2.6.5-2.6.6, torch 2.9-2.13);
 ``tests/unit/test_compat.py`` pins each one, so a release that moves it fails there with the entry's name.
 """
@@ -24,10 +27,12 @@ __all__ = [
     "BackwardSyncControl",
     "StrategyRegistry",
     "augment_message",
+    "ddp_kwargs",
     "extend",
     "flat_parameters",
     "flatten_mesh",
     "forward_redirection",
+    "fsdp1_options",
     "fsdp2_param_groups",
     "fsdp_setup_helpers",
     "join_enabled",
@@ -35,11 +40,14 @@ __all__ = [
     "metric_snapshot",
     "multiply",
     "own_state",
+    "parallel_sizes",
     "patched",
     "rebuild_loader",
     "reduce_scatter",
     "register",
     "restore",
+    "set_backward_sync_control",
+    "set_parallel_sizes",
     "set_sampler",
     "silenced",
     "unfloored",
@@ -58,12 +66,39 @@ def register(registry: StrategyRegistry, cls: type, what: str, *names: tuple[str
 
 
 # Fabric's `no_backward_sync` asks the strategy's `_backward_sync_control` (no public hook): FSDP2 under Fabric
-# replaces it so that the context only marks the window (`fabric/fsdp2.py`).
+# replaces it so that the context only marks the window (`fabric/fsdp2.py`, through `set_backward_sync_control`).
 BackwardSyncControl = _BackwardSyncControl
 
-# Lightning names the barrier it passes right before it processes a stage's dataloaders
-# (`trainer/connectors/data_connector.py`: `strategy.barrier("train_dataloader()")`, ...); `process_dataloader`
-# itself is not told which stage the loader is for.
+
+def set_backward_sync_control(strategy: Any, control: Any) -> None:
+    """Sets what ``fabric.no_backward_sync`` runs for ``strategy`` (Fabric reads ``_backward_sync_control``)."""
+    strategy._backward_sync_control = control
+
+
+def ddp_kwargs(strategy: Any) -> dict[str, Any]:
+    """The keyword arguments a Lightning ``DDPStrategy`` passes to ``DistributedDataParallel`` (no public view)."""
+    kwargs: dict[str, Any] = strategy._ddp_kwargs
+    return kwargs
+
+
+def parallel_sizes(strategy: Any) -> tuple[Any, Any]:
+    """A ``ModelParallelStrategy``'s ``(data_parallel_size, tensor_parallel_size)`` as given, ``"auto"`` included."""
+    return strategy._data_parallel_size, strategy._tensor_parallel_size
+
+
+def set_parallel_sizes(strategy: Any, data: int, tensor: int) -> None:
+    """Sets them before the strategy builds its device mesh (``setup_environment``), where it reads them."""
+    strategy._data_parallel_size, strategy._tensor_parallel_size = data, tensor
+
+
+def fsdp1_options(strategy: Any) -> tuple[str, dict[str, Any]]:
+    """An ``FSDPStrategy``'s ``state_dict_type`` and activation-checkpointing keyword arguments, as it stores them."""
+    return strategy._state_dict_type, strategy._activation_checkpointing_kwargs
+
+
+# Lightning names the barrier it passes right before it processes a stage's dataloaders (`loops/fit_loop.py`,
+# `loops/evaluation_loop.py`: `strategy.barrier("train_dataloader()")`, ...); `process_dataloader` itself is not
+# told which stage the loader is for.
 LOADER_BARRIERS = {"train_dataloader()": "train", "val_dataloader()": "val", "test_dataloader()": "test"}
 
 
@@ -74,7 +109,7 @@ def unfloored(tensor: Tensor, reduce_op: object) -> Tensor:
     Lightning issue #21859, open on 2.6.x and 2.7.x): the strategies' ``reduce`` (Fabric's ``all_reduce``) pass each
     tensor through this first.
     """
-    if not tensor.is_floating_point() and str(reduce_op).lower() in ("mean", "avg", "reduceop.avg"):
+    if not tensor.is_floating_point() and str(reduce_op).lower().rsplit(".", 1)[-1] in ("mean", "avg"):
         return tensor.double()
     return tensor
 
@@ -201,14 +236,16 @@ def silenced(message: str, category: type[Warning]) -> Iterator[None]:
     """Ignores one warning of Lightning's (by the start of its message) for the length of the block."""
     import warnings
 
-    warnings.filterwarnings("ignore", message=message, category=category)
     filters: list[Any] = warnings.filters  # type: ignore[assignment]
+    before = list(filters)
+    warnings.filterwarnings("ignore", message=message, category=category)
     entry = filters[0]
     try:
         yield
     finally:
-        with contextlib.suppress(ValueError):
-            filters.remove(entry)
+        if entry not in before:  # an identical filter of someone else's stays
+            with contextlib.suppress(ValueError):
+                filters.remove(entry)
 
 
 def set_sampler(loader: DataLoader[Any], sampler: Any) -> None:

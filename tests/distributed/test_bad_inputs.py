@@ -30,7 +30,7 @@ def test_the_global_count_is_exact_at_any_scale_and_precision(tmp_path, count, p
 
 
 def test_large_fp16_counts_keep_gradients_finite_and_on_the_reference(tmp_path):
-    # every microbatch weighs 40000 items: the losses stay means, the hook pre-divides; nothing overflows fp16
+    # every microbatch weighs 40000 items: the fp16 losses stay mean-sized (n / c, c = 40000); nothing overflows
     config = Config(
         strategy="ddp_weighted", mode="examples", count_override=40000.0, precision="16-true", batches=4, lr=0.05
     )

@@ -89,7 +89,7 @@ def test_short_last_windows_and_an_accumulation_schedule_are_planned_as_lightnin
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
 
 
-def test_parameters_unused_in_the_loss_still_let_the_carrier_reach_the_reducer(tmp_path):
+def test_parameters_unused_in_the_loss_train_the_reference_with_find_unused_parameters(tmp_path):
     config = dataclasses.replace(AHEAD, accumulate=2, find_unused=True, unused_layer=True, masked=[(1, 4)])
     result = fit(config, tmp_path)
     _ahead(result)

@@ -190,12 +190,12 @@ def test_fabric_clip_gradients_sees_the_normalized_gradient(tmp_path, strategy, 
 @pytest.mark.parametrize(
     ("strategy", "precision", "rtol"),
     [
-        ("ddp_weighted", "bf16-mixed", 3e-2),  # fp32 gradients: the counts ride
-        ("ddp_weighted", "bf16-true", 5e-2),  # bf16 gradients: mean-sized losses, counts in a float64 all-reduce
+        ("ddp_weighted", "bf16-mixed", 3e-2),  # fp32 gradients, bf16 compute
+        ("ddp_weighted", "bf16-true", 5e-2),  # bf16 gradients; the counts still sum in the float64 payload
         ("ddp_weighted", "16-true", 5e-2),
         ("ddp_weighted", "64-true", 1e-7),  # Fabric hands the model's outputs back in float32: a float32 loss
         ("fsdp2_weighted", "bf16-mixed", 3e-2),
-        ("fsdp2_weighted", "bf16-true", 5e-2),  # bf16 item sums reduced, then divided on the shards
+        ("fsdp2_weighted", "bf16-true", 5e-2),  # bf16 item sums reduced, then multiplied by 1/N on the shards
     ],
 )
 def test_every_precision_gives_the_reference_within_its_precision_and_plain_fabric_does_not(

@@ -116,7 +116,7 @@ def test_counted_ahead_masked_microbatches_exhausted_ranks_and_empty_windows_con
     [
         # ItemCounter's count of rank 1's batch 3 is negative: known on the host before the window starts
         ({"counter": "bad"}, "ValueError: on rank 1, a microbatch's count is negative (-1.0)"),
-        # found after the window's counts were summed: the flag rides in the handover, the details follow
+        # found after the window's counts were summed ahead: the payload names the rank and the value
         (
             {"counter": "quiet", "bad_count": [1, 3, 99]},
             "ValueError: on rank 1, training_step returned a count (99.0) that differs from the one ItemCounter",

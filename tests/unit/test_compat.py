@@ -172,12 +172,9 @@ def test_unfloored_turns_integer_tensors_to_float64_only_for_the_mean_lightnings
         pinned("unfloored", _compat.unfloored(floats, op) is floats, "Lightning's reduce", f"{op!r}: a float tensor")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_compat.unfloored matches 'reduceop.avg', but str(dist.ReduceOp.AVG) is 'RedOpType.AVG' (torch 2.13)",
-)
 def test_unfloored_also_unfloors_an_integer_mean_asked_for_by_the_reduce_op_enum() -> None:
-    assert _compat.unfloored(torch.tensor([7]), dist.ReduceOp.AVG).dtype == torch.float64
+    pinned("unfloored", _compat.unfloored(torch.tensor([7]), dist.ReduceOp.AVG).dtype == torch.float64, "ReduceOp.AVG")
+    pinned("unfloored", _compat.unfloored(torch.tensor([7]), dist.ReduceOp.SUM).dtype == torch.int64, "ReduceOp.SUM")
 
 
 @pins("BackwardSyncControl")
@@ -752,3 +749,64 @@ def test_pinned_names_the_entry_and_the_symbol_that_moved() -> None:
     moved = r"_compat\.flatten_mesh: DeviceMesh\._flatten changed \(AttributeError"
     with pytest.raises(pytest.fail.Exception, match=moved), exercising("flatten_mesh", "DeviceMesh._flatten"):
         raise AttributeError("_flatten")
+
+
+# --------------------------------------------------------------------------------------- strategies' stored arguments
+
+
+@pins("ddp_kwargs")
+def test_ddp_kwargs_are_what_lightnings_ddp_strategy_passes_to_distributed_data_parallel() -> None:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    strategy = DDPStrategy(static_graph=True, bucket_cap_mb=7)
+    with exercising("ddp_kwargs", "DDPStrategy._ddp_kwargs"):
+        kwargs = _compat.ddp_kwargs(strategy)
+    pinned("ddp_kwargs", kwargs == {"static_graph": True, "bucket_cap_mb": 7}, "DDPStrategy._ddp_kwargs", f"{kwargs}")
+    source_says("ddp_kwargs", DDPStrategy._setup_model, "**self._ddp_kwargs", "DDPStrategy._setup_model")
+
+
+@pins("parallel_sizes", "set_parallel_sizes")
+def test_parallel_sizes_are_read_and_set_where_model_parallel_strategy_builds_its_mesh() -> None:
+    from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallel
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    for cls, args in ((ModelParallelStrategy, ()), (FabricModelParallel, (lambda module, mesh: module,))):
+        symbol = f"{cls.__module__}.ModelParallelStrategy._data_parallel_size/_tensor_parallel_size"
+        strategy = cls(*args, data_parallel_size="auto", tensor_parallel_size=2)
+        with exercising("parallel_sizes", symbol):
+            sizes = _compat.parallel_sizes(strategy)
+        pinned("parallel_sizes", sizes == ("auto", 2), symbol, f"read {sizes}")
+        with exercising("set_parallel_sizes", symbol):
+            _compat.set_parallel_sizes(strategy, 4, 2)
+        pinned("set_parallel_sizes", _compat.parallel_sizes(strategy) == (4, 2), symbol)
+        source_says("set_parallel_sizes", cls.setup_environment, "self._data_parallel_size", symbol)
+
+
+@pins("fsdp1_options")
+def test_fsdp1_options_are_the_state_dict_type_and_checkpointing_kwargs_fsdp_strategy_stores() -> None:
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    strategy = FSDPStrategy(state_dict_type="sharded", activation_checkpointing_policy={nn.Linear})
+    symbol = "FSDPStrategy._state_dict_type/_activation_checkpointing_kwargs"
+    with exercising("fsdp1_options", symbol):
+        state_dict_type, checkpointing = _compat.fsdp1_options(strategy)
+    pinned("fsdp1_options", state_dict_type == "sharded", symbol, f"state_dict_type {state_dict_type!r}")
+    pinned("fsdp1_options", isinstance(checkpointing, dict) and checkpointing, symbol, f"kwargs {checkpointing}")
+
+
+@pins("set_backward_sync_control")
+def test_set_backward_sync_control_replaces_what_fabric_no_backward_sync_asks_for() -> None:
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    class Marker(_compat.BackwardSyncControl):
+        def no_backward_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[None]:
+            return contextlib.nullcontext()
+
+    strategy, marker = ModelParallelStrategy(lambda module, mesh: module), Marker()
+    with exercising("set_backward_sync_control", "Strategy._backward_sync_control"):
+        _compat.set_backward_sync_control(strategy, marker)
+    pinned("set_backward_sync_control", strategy._backward_sync_control is marker, "Strategy._backward_sync_control")
+    source_says(
+        "set_backward_sync_control", Fabric.no_backward_sync, "_backward_sync_control", "Fabric.no_backward_sync"
+    )

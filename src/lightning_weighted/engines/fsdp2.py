@@ -17,7 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_weighted._compat import flatten_mesh, fsdp2_param_groups, reduce_scatter
+from lightning_weighted._compat import (
+    flatten_mesh,
+    fsdp2_param_groups,
+    parallel_sizes,
+    reduce_scatter,
+    set_parallel_sizes,
+)
 
 __all__ = ["FP16_FIX", "FSDP2Engine", "data_parallel_group", "every_rank_data_parallel", "mesh_sizes", "shard_blocks"]
 
@@ -121,8 +127,7 @@ def data_parallel_group(mesh: Any, dims: str | Sequence[str] = "data_parallel") 
 def every_rank_data_parallel(strategy: Any) -> None:
     """Sets a ``ModelParallelStrategy``'s ``"auto"`` mesh sizes by :func:`mesh_sizes`, before it builds its mesh."""
     world = strategy.num_nodes * strategy.num_processes
-    sizes = mesh_sizes(world, strategy._data_parallel_size, strategy._tensor_parallel_size)
-    strategy._data_parallel_size, strategy._tensor_parallel_size = sizes
+    set_parallel_sizes(strategy, *mesh_sizes(world, *parallel_sizes(strategy)))
 
 
 def mesh_sizes(world: int, data: int | Literal["auto"], tensor: int | Literal["auto"]) -> tuple[int, int]:
@@ -143,7 +148,8 @@ def mesh_sizes(world: int, data: int | Literal["auto"], tensor: int | Literal["a
 def shard_blocks(module: nn.Module, mesh: Any) -> nn.Module:
     """``fully_shard`` each submodule that owns its trainable parameters alone, outermost first, then the root.
 
-    The default ``parallelize_fn`` of Fabric's ``"fsdp2_weighted"``, over ``mesh["data_parallel"]``. A submodule
+    The default ``parallelize_fn`` of Fabric's ``"fsdp2_weighted"``, over ``mesh["data_parallel"]``; under the
+    Trainer, ``configure_model`` calls ``shard_blocks(self.model, self.device_mesh)``. A submodule
     sharing a parameter with another (tied embeddings: a Hugging Face model's ``wte`` and ``lm_head``) is not
     sharded on its own, as torch requires: its submodules are, and the shared parameter stays with the root.
     Containers (``ModuleList``, ``ModuleDict``) run no forward of their own, so their entries are sharded instead.

@@ -10,7 +10,7 @@ from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_weighted._compat import BackwardSyncControl, StrategyRegistry, register
+from lightning_weighted._compat import BackwardSyncControl, StrategyRegistry, register, set_backward_sync_control
 from lightning_weighted.data import Policy
 from lightning_weighted.engines.fsdp2 import FSDP2Engine, data_parallel_group, every_rank_data_parallel, shard_blocks
 from lightning_weighted.fabric._strategy import WeightedFabricStrategy
@@ -56,7 +56,7 @@ class WeightedFabricModelParallelStrategy(WeightedFabricStrategy, ModelParallelS
         if not args:
             kwargs.setdefault("parallelize_fn", shard_blocks)
         super().__init__(*args, participation=participation, **kwargs)
-        self._backward_sync_control = _MarkWindow(self)
+        set_backward_sync_control(self, _MarkWindow(self))
         self._accumulating = False  # inside `fabric.no_backward_sync(model)`
 
     @classmethod

@@ -11,7 +11,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_weighted._compat import StrategyRegistry, augment_message, join_enabled, register
+from lightning_weighted._compat import StrategyRegistry, augment_message, ddp_kwargs, join_enabled, register
 from lightning_weighted.data import Policy
 from lightning_weighted.engines import Engine
 from lightning_weighted.engines.ddp import DDPEngine, fp16_backward
@@ -74,7 +74,7 @@ class WeightedDDPStrategy(WeightedTrainerStrategy, DDPStrategy):
             isinstance(callback, GradientAccumulationScheduler)
             for callback in trainer.callbacks  # type: ignore[attr-defined]
         )
-        if self._ddp_kwargs.get("static_graph") and accumulates:
+        if ddp_kwargs(self).get("static_graph") and accumulates:
             raise MisconfigurationException(
                 "`static_graph=True` with gradient accumulation is not supported by DDP in this torch version."
                 " Drop `static_graph=True`, or set `accumulate_grad_batches=1`."

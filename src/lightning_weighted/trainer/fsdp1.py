@@ -16,7 +16,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_weighted._compat import StrategyRegistry, fsdp_setup_helpers, patched, register
+from lightning_weighted._compat import StrategyRegistry, fsdp1_options, fsdp_setup_helpers, patched, register
 from lightning_weighted.data import Policy
 from lightning_weighted.engines import Engine
 from lightning_weighted.engines.fsdp1 import FSDP1Engine
@@ -62,7 +62,7 @@ class CPUFSDPStrategy(FSDPStrategy):
         return state
 
     def _full_on_cpu(self) -> bool:
-        return self._state_dict_type == "full" and self.root_device.type == "cpu"
+        return fsdp1_options(self)[0] == "full" and self.root_device.type == "cpu"
 
     @override
     def _setup_model(self, model: Module) -> Module:
@@ -80,7 +80,7 @@ class CPUFSDPStrategy(FSDPStrategy):
         )
         move_metrics, checkpointing = fsdp_setup_helpers()
         move_metrics(wrapped, self.root_device)
-        checkpointing(wrapped, self._activation_checkpointing_kwargs)
+        checkpointing(wrapped, fsdp1_options(self)[1])
         return wrapped
 
 
