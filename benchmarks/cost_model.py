@@ -1,11 +1,14 @@
 """α-β cost model of what ddp_weighted adds to the gradient reduction, projected to NCCL at P = 8 … 4096 GPUs.
 
-Counts ahead (an ItemCounter): each window's handover rides in DDP's gradient all-reduce as the carrier's gradient
-(``reduce.carrier.width(dtype, P)`` values, 7 to 80, padded to whole 64-byte lines; no extra call) where
-``reduce.carrier.fits(dtype, P)``; elsewhere (bf16 beyond 256 ranks, fp32 beyond 2048 unless P is a power of
-two) it is one separate all-reduce of 4 float64.
-Riding counts (returned by ``training_step``): 12 more fp32 values in the first bucket, or one all-reduce of 6
-float64 with fp16/bf16 gradients.
+Every path moves a window's counts in one asynchronous float64 all-reduce of ``lightning_weighted.counts.WIDTH``
+values (the window's payload: 80 bytes) per optimizer step, launched right before the syncing backward and waited
+for after it (``lightning_weighted.loop.Exchange``); counts ahead (an ItemCounter) add one 1-value all-reduce at
+each epoch's first window, left out here. Riding counts (returned by ``training_step``, known only after the
+forward) also pass once over every gradient after the backward, multiplying it by ``P·c/N`` (a read and a write).
+The ablation beside it, ``benchmarks/carrier.py`` (what counts ahead shipped before the payload all-reduce): each
+window's handover rides in DDP's gradient all-reduce as the gradient of one extra parameter (``carrier.width(dtype,
+P)`` values, 7 to 80, padded to whole 64-byte lines; no call of its own) where ``carrier.fits(dtype, P)``;
+elsewhere (bf16 beyond 256 ranks, fp32 beyond 2048 unless P is a power of two) one all-reduce of 4 float64.
 
 All-reduce of ``b`` bytes over ``P`` ranks (Thakur, Rabenseifner & Gropp 2005; NCCL's ring and tree; the
 ``2(P−1)/P`` factor is nccl-tests' bus-bandwidth factor, doc/PERFORMANCE.md):
@@ -25,14 +28,12 @@ import math
 from dataclasses import dataclass, fields
 
 import torch
+from carrier import Carrier, Handover, fits
 
-from lightning_weighted._counts import WIDTH, Handover
-from lightning_weighted.reduce.carrier import Carrier, fits
-from lightning_weighted.reduce.riding import RIDE_WIDTH
+from lightning_weighted.counts import WIDTH
 
-COUNT_BYTES = 8 * WIDTH  # the riding path's separate count vector (fp16/bf16 gradients)
-HANDOVER_BYTES = 8 * len(Handover)  # counts ahead, where the carrier does not fit
-RIDE_BYTES = 4 * RIDE_WIDTH
+PAYLOAD_BYTES = 8 * WIDTH  # the window's float64 payload, one all-reduce per optimizer step on every path
+HANDOVER_BYTES = 8 * len(Handover)  # the carrier ablation's own all-reduce, where the carrier does not fit
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -48,7 +49,7 @@ class Inputs:
     - ``bw_intra``: 360 GB/s all-reduce bus bandwidth within a node (nccl-tests on NVLink4 H100 SXM reach
       ~360-480 GB/s busbw).
     - ``bw_inter``: 45 GB/s per GPU across nodes (one 400 Gb/s NDR NIC per GPU = 50 GB/s line rate, ~90 %).
-    - ``hbm``: 3.35 TB/s device memory bandwidth (H100 SXM), for the post-hoc pass over the gradients.
+    - ``hbm``: 3.35 TB/s device memory bandwidth (H100 SXM), for the pass over the gradients (post-hoc, riding counts).
     - ``gpus_per_node``: 8.
     """
 
@@ -75,39 +76,39 @@ def allreduce_time(size_bytes: float, ranks: int, inputs: Inputs) -> tuple[float
 
 
 def projection(gradient_bytes: dict[str, float], ranks: list[int], inputs: Inputs) -> list[dict[str, float | str]]:
-    """Rows of (P, model): what ddp_weighted's counts add (counts ahead, and riding counts) and the share of a step
-    that is at least as long as the gradient all-reduce (an upper bound: it assumes nothing else in the step, and a
-    separate all-reduce fully exposed although it is launched before the syncing backward and overlaps it); plus
-    what the anchors pay in the same model (a blocking count, and post-hoc's extra read+write of the gradients).
-    A model's name says its gradients' dtype (``fp32`` or ``bf16``)."""
+    """Rows of (P, model): what ddp_weighted's counts add (the payload all-reduce, every path; riding counts also
+    their pass over the gradients after the backward) and the payload's share of a step that is at least as long
+    as the gradient all-reduce (an upper bound: it assumes nothing else in the step, and the payload all-reduce
+    fully exposed although it is launched before the syncing backward and overlaps it); beside it what the carrier
+    ablation would add instead, and what the anchors pay in the same model (a blocking count, and post-hoc's
+    extra read+write of the gradients). A model's name says its gradients' dtype (``fp32`` or ``bf16``)."""
     rows: list[dict[str, float | str]] = []
     for p in ranks:
-        separate, algorithm = allreduce_time(HANDOVER_BYTES, p, inputs)
+        payload, algorithm = allreduce_time(PAYLOAD_BYTES, p, inputs)
+        separate, separate_algorithm = allreduce_time(HANDOVER_BYTES, p, inputs)
         blocking, _ = allreduce_time(8, p, inputs)
         for model, size in gradient_bytes.items():
             dtype = next(d for name, d in _DTYPES.items() if name in model)
             gradient, _ = allreduce_time(size, p, inputs)
+            gradient_pass = 2 * size / inputs.hbm  # counts after: every gradient read and written once
             if fits(dtype, p):
-                rider = Carrier(torch.nn.Identity(), dtype, torch.device("cpu"), p).rider  # padded as shipped
+                rider = Carrier(torch.nn.Identity(), dtype, torch.device("cpu"), p).rider  # padded as it shipped
                 carried = rider.numel() * dtype.itemsize
-                count, how = allreduce_time(size + carried, p, inputs)[0] - gradient, f"carried (+{carried} B)"
+                carrier, how = allreduce_time(size + carried, p, inputs)[0] - gradient, f"carried (+{carried} B)"
             else:
-                count, how = separate, f"own all-reduce ({algorithm})"
-            riding = (
-                allreduce_time(size + RIDE_BYTES, p, inputs)[0] - gradient
-                if dtype == torch.float32
-                else allreduce_time(COUNT_BYTES, p, inputs)[0]
-            )
+                carrier, how = separate, f"own all-reduce ({separate_algorithm})"
             rows.append(
                 {
                     "P": p,
                     "model": model,
-                    "count_algorithm": how,
-                    "count_us": count * 1e6,
-                    "riding_us": riding * 1e6,
+                    "count_algorithm": algorithm,
+                    "count_us": payload * 1e6,
+                    "riding_pass_us": gradient_pass * 1e6,
                     "grad_allreduce_ms": gradient * 1e3,
-                    "share_upper_bound": count / (count + gradient),
-                    "post_hoc_extra_us": (blocking + 2 * size / inputs.hbm) * 1e6,
+                    "share_upper_bound": payload / (payload + gradient),
+                    "carrier_how": how,
+                    "carrier_us": carrier * 1e6,
+                    "post_hoc_extra_us": (blocking + gradient_pass) * 1e6,
                     "pre_count_extra_us": blocking * 1e6,
                 }
             )
@@ -116,15 +117,16 @@ def projection(gradient_bytes: dict[str, float], ranks: list[int], inputs: Input
 
 def markdown(rows: list[dict[str, float | str]]) -> str:
     lines = [
-        "| P | gradients | counts ahead: the handover | its cost (µs) | riding counts' cost (µs) |"
-        " gradient all-reduce (ms) | counts-ahead share ≤ | post-hoc exposed (µs) | pre-count exposed (µs) |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|",
+        f"| P | gradients | the payload all-reduce ({PAYLOAD_BYTES} B) | its cost, if exposed (µs) |"
+        " riding counts, beyond it: the pass over the gradients (µs) | gradient all-reduce (ms) | its share ≤ |"
+        " carrier ablation: the handover | its cost (µs) | post-hoc exposed (µs) | pre-count exposed (µs) |",
+        "|---:|---|---|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for row in rows:
         lines.append(
             f"| {row['P']} | {row['model']} | {row['count_algorithm']} | {row['count_us']:.3g} |"
-            f" {row['riding_us']:.3g} | {row['grad_allreduce_ms']:.3f} |"
-            f" {100 * float(row['share_upper_bound']):.3g} % |"
+            f" {row['riding_pass_us']:.3g} | {row['grad_allreduce_ms']:.3f} |"
+            f" {100 * float(row['share_upper_bound']):.3g} % | {row['carrier_how']} | {row['carrier_us']:.3g} |"
             f" {row['post_hoc_extra_us']:.0f} | {row['pre_count_extra_us']:.0f} |"
         )
     return "\n".join(lines)
@@ -145,6 +147,7 @@ def main() -> None:
         parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
     args = parser.parse_args()
     inputs = Inputs(**{f.name: getattr(args, f.name) for f in fields(Inputs)})
+    print("A projection of the α-β model with the inputs below, not a measurement (see --help):\n")
     print(markdown(projection(DEFAULT_MODELS, DEFAULT_RANKS, inputs)))
 
 

@@ -34,6 +34,7 @@ DEFAULT = [
     "carrier_wrapper",
     "carrier_in_graph",
     "carrier_fixed",
+    "ddp_weighted_carrier",
     "ddp_weighted",
     "ddp_weighted_riding",
 ]

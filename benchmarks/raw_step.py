@@ -15,13 +15,13 @@ import resource
 import time
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from anchors import PostHocStep, PreCountStep
+from carrier import Carrier, CarrierLoop, fits
 from common import (
     DTYPES,
     Batch,
@@ -41,15 +41,11 @@ from common import (
 )
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from lightning_weighted._counts import WIDTH, count_of
-from lightning_weighted.participation import Participation
-from lightning_weighted.reduce.carrier import Carrier
-from lightning_weighted.reduce.counts import start_sum
-from lightning_weighted.reduce.ddp_hook import WeightedReduceState, weighted_allreduce_hook
-from lightning_weighted.reduce.divisor import ReducerDivision, can_divide
-from lightning_weighted.strategies._ahead import WindowsAhead
-from lightning_weighted.strategies._zero import zero_loss
-from lightning_weighted.window import LossScale, Window
+from lightning_weighted.ahead import Lookahead, Planner
+from lightning_weighted.counts import TRAINER, WIDTH, read_count
+from lightning_weighted.data import Participation
+from lightning_weighted.engines.ddp import DDPEngine
+from lightning_weighted.loop import WindowLoop
 
 CPU = torch.device("cpu")
 
@@ -72,148 +68,127 @@ class ControlStep(PlainDDPStep):
     name = "ddp_control"
 
 
-class RidingStep(RawStep):
-    """What ``strategy="ddp_weighted"`` does with counts returned by ``training_step`` (known only after it): the
-    window core scales each microbatch's loss, the strategy's comm hook lets the counts ride in the first bucket and
-    divides every bucket by ``N``, the summed counts are read once on the host after the backward."""
-
-    name = "ddp_weighted_riding"
+class WeightedStep(RawStep):
+    """A raw DDP module driven by the package's own window loop (:class:`~lightning_weighted.loop.WindowLoop` over
+    a :class:`~lightning_weighted.engines.ddp.DDPEngine`), as ``WeightedDDPStrategy`` drives it: the raw level
+    measures what the strategy runs, without Lightning around it."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.division = self.divides()
-        if self.division is None:
-            dtypes = [p.dtype for p in self.ddp.parameters()]
-            self.state = WeightedReduceState(rides=WeightedReduceState.can_ride(dtypes, self.world_size))
-            self.ddp.register_comm_hook(self.state, weighted_allreduce_hook)
+        self.engine = DDPEngine(self.ddp, self.ddp.module)
+        self.loop = self.make_loop()
+        self.batch_idx = self.optimizer_steps = 0
 
-    def divides(self) -> ReducerDivision | None:
-        """DDP's own reducer dividing by ``N`` instead of the hook (``reducer_divides=True``), or ``None``."""
-        return None
+    def make_loop(self) -> WindowLoop:
+        return WindowLoop(self.engine, CPU, TRAINER, self.name)
 
-    def step(self, window: Iterator[Batch]) -> None:
-        division = self.division
-        current = Window(LossScale.ITEM_SUM if division is not None or self.state.rides else LossScale.MEAN_SIZED)
-        for micro, batch in enumerate(window):
-            with self.sync_context(micro):
-                loss = self.ddp(batch)
-                factor = current.add(count_of({"count": batch[2].sum()}, batch), loss)
-                loss = loss * factor if factor != 1 else loss
-                if micro == self.accumulate - 1:
-                    if division is not None:
-                        division.begin_window(current.payload(self.rank), CPU)
-                    else:
-                        self.state.begin_window(current.payload(self.rank), current.reference, CPU)
-                loss.backward()
-        result = current.finish(self.state.counts() if division is None else division.counts())
-        if result.items == 0:
+    def end(self) -> None:
+        """The optimizer step after the window's last backward; none where the window holds no item."""
+        result = self.loop.finish(self.optimizer_steps)
+        self.optimizer_steps += 1
+        if result.items == 0:  # the loop dropped every gradient
             self.optimizer.zero_grad(set_to_none=True)
             return
-        if division is not None:
-            division.normalize(self.model.parameters(), result.items)
         self.finish()
 
 
-class RidingReducerStep(RidingStep):
-    """The same with ``WeightedDDPStrategy(reducer_divides=True)``: with fp32/fp64 gradients, every loss scaled to
-    its item sum, the window's payload summed by one float64 all-reduce started before the syncing backward, and
-    DDP's own reducer dividing every bucket by its ``N`` as it copies it (the comm hook otherwise)."""
+class RidingStep(WeightedStep):
+    """What ``strategy="ddp_weighted"`` does with counts returned by ``training_step`` (known only after it): each
+    count (``batch[2].sum()``, a tensor, as ``training_step`` returns it) is checked where it lives, each loss
+    scaled to its item sum, the window's payload summed by one asynchronous float64 all-reduce started before the
+    syncing backward, DDP's own C++ reducer averaging, and the reduced gradients multiplied by ``P c / N`` once
+    after it."""
 
-    name = "ddp_weighted_riding_reducer"
+    name = "ddp_weighted_riding"
 
-    def divides(self) -> ReducerDivision | None:
-        return ReducerDivision(self.ddp) if can_divide(self.ddp.parameters()) else None
+    def step(self, window: Iterator[Batch]) -> None:
+        loop = self.loop
+        for micro, batch in enumerate(window):
+            loop.begin_batch(self.batch_idx)
+            self.batch_idx += 1
+            with self.sync_context(micro):
+                loss = self.ddp(batch)
+                loop.add(loss, read_count(batch[2].sum()), False)
+                scaled = loop.scaled(loss)
+                if micro == self.accumulate - 1:
+                    loop.end()
+                scaled.backward()
+        self.end()
 
 
-class AheadStep(RawStep):
+class AheadStep(WeightedStep):
     """What ``strategy="ddp_weighted"`` does with an ``ItemCounter`` (counts ahead), on a raw DDP module.
 
-    The same pieces as the strategy (``WindowsAhead``, ``Window``, ``Carrier``): each batch counted on the host as
+    The same pieces as the strategy (``Lookahead``, ``Planner``, ``WindowLoop``): each batch counted on the host as
     the stream yields it, the next window fetched and counted at this window's syncing microbatch, every loss
-    scaled by ``P n / N`` before its backward, DDP's own C++ reducer averaging; the handover (the next window's
-    count, this window's flags and loss) rides in the carrier's gradient and is read once after the backward.
+    scaled by ``P n / N`` before its backward, DDP's own C++ reducer averaging; the window's payload (the next
+    window's ``N``, this window's flags and loss) is summed by one asynchronous float64 all-reduce started before
+    the syncing backward and read once after it.
     """
 
     name = "ddp_weighted"
-    carry = True  # the handover rides in the gradients' bucket; otherwise its own float64 all-reduce
-    line_bytes = 64  # the carrier's parameter fills whole cache lines
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lookahead = Lookahead(_count, True, Participation())  # integer counts: tokens
+        size = self.accumulate  # no epochs here: every window is A microbatches
+        self.loop.planner = self.planner = Planner(self.lookahead, lambda _: size, self.engine, CPU)
+
+    def feed(self, data: Sequence[Sequence[Batch]]) -> None:
+        self.stream = self.lookahead.iterate(iter(BatchStream([b for window in data for b in window])))
+
+    def step(self, window: Iterator[Batch]) -> None:
+        loop = self.loop
+        for micro in range(self.accumulate):
+            batch = next(self.stream)
+            loop.begin_batch(self.batch_idx)
+            self.batch_idx += 1
+            sync = micro == self.accumulate - 1
+            self.arm(sync)
+            with self.sync_context(micro):
+                loss = self.ddp(batch)
+                loop.add(loss, self.planner.count, False)
+                scaled = loop.scaled(loss)
+                if sync:
+                    loop.end()
+                scaled.backward()
+        self.end()
+
+    def arm(self, sync: bool) -> None:
+        """Before each microbatch's forward: whether it is the window's syncing one."""
+
+
+class AheadCarrierStep(AheadStep):
+    """The ablation of ddp_weighted's counts ahead that the package shipped before its payload all-reduce: the
+    window's handover (the next window's count, this window's flags and loss share) rides in the gradient of one
+    extra parameter (``carrier.Carrier``) through DDP's bucket all-reduce, no collective of its own, and is read
+    once after the syncing backward (``carrier.CarrierLoop``)."""
+
+    name = "ddp_weighted_carrier"
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         # DDP's forward returns the loss, as Lightning's `training_step` through DDP does: the carrier adds to it
-        loss, dtype = super().wrap(model), next(model.parameters()).dtype
-        self.carrier = Carrier(loss, dtype, CPU, self.world_size, self.line_bytes) if self.carry else None
-        return self.carrier or loss
+        dtype = next(model.parameters()).dtype
+        if not fits(dtype, self.world_size):
+            raise ValueError(f"the carrier cannot carry a count in {dtype} over {self.world_size} ranks")
+        self.carrier = Carrier(super().wrap(model), dtype, CPU, self.world_size)
+        return self.carrier
 
-    def feed(self, data: Sequence[Sequence[Batch]]) -> None:
-        size = self.accumulate  # no epochs here: every window is A microbatches
-        self.ahead = WindowsAhead(_BatchCounter(), Participation(), self.world_size, lambda _: size, _START)
-        self.stream = self.ahead.lookahead.iterate(iter(BatchStream([b for window in data for b in window])))
+    def make_loop(self) -> WindowLoop:
+        return CarrierLoop(self.carrier, self.engine, CPU, TRAINER, self.name)
 
-    def step(self, window: Iterator[Batch]) -> None:
-        for micro in range(self.accumulate):
-            batch = next(self.stream)
-            current = self.ahead.begin_batch(micro)
-            sync = micro == self.accumulate - 1
-            if self.carrier is not None:
-                self.carrier.arm(sync)
-            with self.sync_context(micro):
-                loss = self.ddp(batch)
-                factor = current.add(self.ahead.count, loss)
-                if sync:
-                    values = current.handover(self.ahead.plan_following(micro), True)
-                    if self.carrier is not None:
-                        self.carrier.load(values, current.add_share)
-                    else:
-                        self.handover = start_sum(values, CPU, current.add_share)
-                zero = isinstance(factor, float) and factor == 0
-                (zero_loss(loss, self.model) if zero else loss * factor).backward()
-        done, payload = self.ahead.end_window(self.read)
-        if done.finish(payload).items == 0:
-            self.optimizer.zero_grad(set_to_none=True)
-            return
-        self.finish()
-
-    def read(self, also: torch.Tensor | None) -> list[float]:
-        if self.carrier is not None:
-            summed = self.carrier.read(also)
-            assert summed is not None
-            return summed
-        values, work = self.handover
-        work.wait()
-        return (values if also is None else torch.cat([values, also.double().reshape(1)])).tolist()
+    def arm(self, sync: bool) -> None:
+        self.carrier.arm(sync)
 
 
-_START = partial(start_sum, device=CPU)
-
-
-class AheadSeparateStep(AheadStep):
-    """ddp_weighted with counts ahead and the handover in its own float64 all-reduce, started before the syncing
-    backward: the path where the carrier cannot stay exact (bf16 beyond 256 ranks), and the price of one more
-    collective per step."""
-
-    name = "ddp_weighted_separate"
-    carry = False
-
-
-class AheadUnpaddedStep(AheadStep):
-    """ddp_weighted (counts ahead) with the carrier's parameter left at the handover's width (7 fp32 values on 2
-    ranks): every gradient after it in DDP's bucket starts off a cache line."""
-
-    name = "ddp_weighted_unpadded"
-    line_bytes = 1
-
-
-class _BatchCounter:
+def _count(batch: Batch) -> torch.Tensor:
     """``ItemCounter("tokens", key=2, mask=True)`` without the callback: the valid items of a benchmark batch."""
-
-    integer = True
-
-    def count_of(self, batch: Batch) -> torch.Tensor:
-        return batch[2].sum()
+    return batch[2].sum()
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Ablations of ddp_weighted's cost (the `ablation` level of run.py): each adds one piece of the mechanism.
+# Ablations of ddp_weighted's cost (the `ablation` level of run.py, and overhead.py): each adds one piece of a
+# mechanism to plain DDP; the carrier_* steps take ddp_weighted_carrier (carrier.py) apart.
 
 
 class PythonHookStep(PlainDDPStep):
@@ -243,8 +218,9 @@ class ScaleOnlyStep(RawStep):
 
 
 class CarrierOnlyStep(ScaleOnlyStep):
-    """ScaleOnlyStep plus the carrier: its parameter in the first bucket, its term in the syncing forward, a fixed
-    handover through its hook and one host read of it after the backward (no window bookkeeping)."""
+    """ScaleOnlyStep plus the carrier of the ablation (``carrier.Carrier``): its parameter in the first bucket, its
+    term in the syncing forward, a fixed handover through its hook and one host read of it after the backward (no
+    window bookkeeping)."""
 
     name = "carrier_fixed"
     in_graph = True  # the carrier's parameter joins DDP's bucket and the syncing backward
@@ -295,10 +271,8 @@ VARIANTS: dict[str, type[RawStep]] = {
         PlainDDPStep,
         ControlStep,
         AheadStep,
-        AheadSeparateStep,
-        AheadUnpaddedStep,
+        AheadCarrierStep,
         RidingStep,
-        RidingReducerStep,
         PostHocStep,
         PreCountStep,
         PythonHookStep,
@@ -430,8 +404,8 @@ CORE = [
     "ddp",
     "ddp_control",
     "ddp_weighted",
+    "ddp_weighted_carrier",
     "ddp_weighted_riding",
-    "ddp_weighted_riding_reducer",
     "post_hoc",
     "pre_count",
 ]

@@ -6,25 +6,18 @@ import math
 from pathlib import Path
 from typing import Any
 
-from cost_model import (
-    COUNT_BYTES,
-    DEFAULT_MODELS,
-    DEFAULT_RANKS,
-    HANDOVER_BYTES,
-    RIDE_BYTES,
-    Inputs,
-    markdown,
-    projection,
-)
+from cost_model import DEFAULT_MODELS, DEFAULT_RANKS, HANDOVER_BYTES, PAYLOAD_BYTES, Inputs, markdown, projection
 
-SHOWN = ["ddp_control", "ddp_weighted", "ddp_weighted_riding", "post_hoc", "pre_count"]
+# the variants of the speed and correctness tables, where a level ran them (the carrier ablation: the raw level)
+SHOWN = ["ddp_control", "ddp_weighted", "ddp_weighted_riding", "ddp_weighted_carrier", "post_hoc", "pre_count"]
 INTERVALS = ("ddp_control", "ddp_weighted")  # the ratios whose median's confidence interval the tables show
-WEIGHTED = ["ddp_weighted", "ddp_weighted_riding", "post_hoc", "pre_count"]
+WEIGHTED = ["ddp_weighted", "ddp_weighted_riding", "ddp_weighted_carrier", "post_hoc", "pre_count"]
 TITLES = {
     "ddp": "plain DDP",
     "ddp_control": "A-vs-A control",
     "ddp_weighted": "ddp_weighted (counts ahead)",
     "ddp_weighted_riding": "ddp_weighted (riding counts)",
+    "ddp_weighted_carrier": "counts ahead, payload in a carrier (ablation)",
     "post_hoc": "post-hoc",
     "pre_count": "pre-count",
     "py_allreduce_hook": "torch's Python allreduce_hook",
@@ -32,8 +25,6 @@ TITLES = {
     "carrier_wrapper": "+ the carrier's module call",
     "carrier_in_graph": "+ its parameter in the backward and bucket",
     "carrier_fixed": "+ the carrier, a fixed handover",
-    "ddp_weighted_unpadded": "counts ahead, carrier not padded to 64 bytes",
-    "ddp_weighted_separate": "counts ahead, handover in its own all-reduce",
 }
 
 ANALYSIS_FILE = "ANALYSIS.md"  # hand-written findings, linked from the report when present
@@ -93,16 +84,22 @@ def targets_table(levels: dict[str, list[dict[str, Any]]]) -> str:
     return "\n".join([*lines, "", f"Verdicts: {counted or 'none'}."])
 
 
+def present(names: list[str], entries: list[dict[str, Any]], key: str = "ratio") -> list[str]:
+    """The ``names`` that some entry holds under ``key`` (a level's variants), in their order."""
+    return [name for name in names if any(name in (entry.get(key) or {}) for entry in entries)]
+
+
 def deviation_cell(value: float | None) -> str:
     return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.1e}"
 
 
 def speed_table(points: list[dict[str, Any]], params: dict[str, int]) -> str:
+    shown = present(SHOWN, points)
     lines = [
         "| point | params | plain DDP step (ms) | "
-        + " | ".join(f"{TITLES[n]} ÷ DDP" for n in SHOWN)
+        + " | ".join(f"{TITLES[n]} ÷ DDP" for n in shown)
         + " | ddp_weighted per repeat |",
-        "|---|---:|---:|" + "---:|" * len(SHOWN) + "---|",
+        "|---|---:|---:|" + "---:|" * len(shown) + "---|",
     ]
     for entry in points:
         point = entry["point"]
@@ -110,14 +107,14 @@ def speed_table(points: list[dict[str, Any]], params: dict[str, int]) -> str:
         repeats = ", ".join(f"{r:.3f}" for r in entry["ratio_per_repeat"]["ddp_weighted"])
         lines.append(
             f"| {label} | {params[point['size']] / 1e6:.2f}M | {entry['ms']['ddp']:.2f} | "
-            + " | ".join(ratio_cell(entry["ratio"][n], n in INTERVALS) for n in SHOWN)
+            + " | ".join(ratio_cell(entry["ratio"][n], n in INTERVALS) if n in entry["ratio"] else "–" for n in shown)
             + f" | {repeats} |"
         )
     return "\n".join(lines)
 
 
 def correctness_table(points: list[dict[str, Any]]) -> str:
-    names = ["ddp", *WEIGHTED]
+    names = ["ddp", *present(WEIGHTED, points, "deviation")]
     lines = ["| point | " + " | ".join(TITLES[n] for n in names) + " |", "|---|" + "---:|" * len(names)]
     for entry in points:
         point, dev, grad = entry["point"], entry.get("deviation") or {}, entry.get("gradient_deviation") or {}
@@ -133,7 +130,7 @@ def correctness_table(points: list[dict[str, Any]]) -> str:
 
 
 def collectives_table(points: list[dict[str, Any]], level: str) -> str:
-    names = ["ddp", *WEIGHTED]
+    names = ["ddp", *present(WEIGHTED, points, "collectives")]
     lines = [
         "| point | variant | gradient all-reduces / step | gradient bytes / step | source |"
         " other collectives / step | their bytes | kinds seen by the Python wrapper |",
@@ -161,12 +158,14 @@ def collectives_table(points: list[dict[str, Any]], level: str) -> str:
                 f" {', '.join(calls['kinds'])} |"
             )
     note = (
-        "Counted over the last warm-up step. Plain DDP, ddp_weighted with counts ahead, post-hoc and pre-count reduce "
-        "their buckets in DDP's C++ reducer, which a Python wrapper of `torch.distributed` never sees: their bucket "
-        "counts and bytes come from DDP's logging data (`rebuilt_bucket_sizes`); with counts ahead one bucket holds "
-        "the carrier's gradient too (7 values in fp32, 14 in bf16, on 2 ranks, padded to 64 bytes). ddp_weighted with "
-        "riding counts reduces its buckets through its Python comm hook, counted by the wrapper (the payload is the "
-        "flat bucket buffer). Bytes are the payload of each call, not the 2(P−1)/P traffic of a ring."
+        "Counted over the last warm-up step. Every variant here reduces its buckets in DDP's C++ reducer (no comm "
+        "hook), which a Python wrapper of `torch.distributed` never sees: their bucket counts and bytes come from "
+        "DDP's logging data (`rebuilt_bucket_sizes`); a Python comm hook's buckets would be counted by the wrapper. "
+        "ddp_weighted, with counts ahead and with riding counts alike, adds one asynchronous float64 all-reduce of "
+        f"the window's payload ({PAYLOAD_BYTES} bytes) per step, started before the syncing backward (counted "
+        "under 'other'); post-hoc and pre-count one blocking 8-byte count all-reduce. The carrier ablation adds no "
+        "collective: one bucket holds the carrier's gradient (7 values in fp32, 14 in bf16, on 2 ranks, padded to "
+        "64 bytes). Bytes are the payload of each call, not the 2(P−1)/P traffic of a ring."
     )
     if level == "trainer":
         note += (
@@ -177,7 +176,7 @@ def collectives_table(points: list[dict[str, Any]], level: str) -> str:
 
 
 def sweep_table(sweep: list[dict[str, Any]]) -> str:
-    names = ["ddp", "ddp_control", *WEIGHTED]
+    names = ["ddp", "ddp_control", *present(WEIGHTED, sweep, "ms")]
     lines = [
         "| rank 0 holds | "
         + " | ".join(f"{TITLES[n]} epoch (ms)" for n in names)
@@ -254,7 +253,7 @@ def cpu_model_table(data: dict[str, Any]) -> str:
             f" {100 * (entry['ratio']['ddp_control']['median'] - 1):+.1f} % |"
         )
     return "\n".join(lines) + (
-        f"\n\nMeasured on this machine's gloo loopback: a {COUNT_BYTES}-byte float64 all-reduce takes "
+        f"\n\nMeasured on this machine's gloo loopback: the payload's {PAYLOAD_BYTES}-byte float64 all-reduce takes "
         f"{count * 1e6:.0f} µs (median of 200), an 8 MiB fp32 all-reduce "
         f"{probe['allreduce_8MiB_s'] * 1e3:.1f} ms "
         f"(≈ {8 * 1.048576 / probe['allreduce_8MiB_s'] / 1e3:.2f} GB/s)."
@@ -272,13 +271,15 @@ def write_chart(data: dict[str, Any], path: Path) -> None:
         "ddp_control": "grey",
         "ddp_weighted": "tab:blue",
         "ddp_weighted_riding": "tab:purple",
+        "ddp_weighted_carrier": "tab:cyan",
         "post_hoc": "tab:orange",
         "pre_count": "tab:green",
     }
     for ax, level, title in ((axes[0][0], "raw", "Raw DDP step"), (axes[0][1], "trainer", "Lightning Trainer step")):
         points = data[level]
-        for k, name in enumerate(SHOWN):
-            xs = [i + (k - 2) * 0.15 for i in range(len(points))]
+        shown = present(SHOWN, points)
+        for k, name in enumerate(shown):
+            xs = [i + (k - (len(shown) - 1) / 2) * 0.12 for i in range(len(points))]
             med = [p["ratio"][name]["median"] for p in points]
             low = [p["ratio"][name]["median"] - p["ratio"][name]["p10"] for p in points]
             high = [p["ratio"][name]["p90"] - p["ratio"][name]["median"] for p in points]
@@ -295,7 +296,7 @@ def write_chart(data: dict[str, Any], path: Path) -> None:
     ax = axes[1][0]
     sweep = data["sweep"]
     if sweep:
-        for name in ["ddp", *WEIGHTED]:
+        for name in ["ddp", *present(WEIGHTED, sweep, "ms")]:
             ax.plot(
                 [1 - s["imbalance"] for s in sweep],
                 [s["ms"][name] for s in sweep],
@@ -317,7 +318,7 @@ def write_chart(data: dict[str, Any], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("GPUs (NCCL, α-β model)")
     ax.set_ylabel("counts' cost ÷ (that + gradient all-reduce), %")
-    ax.set_title("Projected upper bound of the counts' share (counts ahead)")
+    ax.set_title("Projected upper bound of the payload all-reduce's share")
     ax.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -348,13 +349,16 @@ def write_report(data: dict[str, Any], out: Path) -> None:
         'Variants (see `anchors.py`, `raw_step.py`, `trainer_step.py`): **plain DDP** (`strategy="ddp"`: local '
         "mean ÷ A, mean all-reduce; the floor, and the wrong objective); **A-vs-A control** (a second, independent "
         "plain DDP: its ratio is the noise floor); **ddp_weighted (counts ahead)** (what the strategy does with an "
-        "`ItemCounter`: each batch counted on the host as the loader yields it, every loss scaled by P·n/N before "
-        "its backward, DDP's own C++ reducer with no comm hook, each window's handover — the next window's N — "
-        "riding in the gradient all-reduce as one extra parameter's gradient); **ddp_weighted (riding counts)** "
-        "(counts returned by `training_step`: the package's Python comm hook, the counts riding at the end of the "
-        "first fp32 bucket, a separate 48-byte all-reduce with bf16 gradients; `ddp_weighted_riding_reducer` in "
-        "`results.json`: `reducer_divides=True`, DDP's own reducer dividing by the N of a 48-byte all-reduce "
-        "before the syncing backward); **post-hoc** (fairseq / Megatron / "
+        "`ItemCounter`, the package's own window loop over DDP in the raw level: each batch counted on the host as "
+        "the loader yields it, every loss scaled by P·n/N before its backward, DDP's own C++ reducer with no comm "
+        "hook, the window's payload — its flags and loss, the next window's N — summed by one asynchronous "
+        f"{PAYLOAD_BYTES}-byte float64 all-reduce started before the syncing backward and read once after it); "
+        "**ddp_weighted (riding counts)** (counts returned by `training_step`, checked on the device: each loss "
+        "scaled to its item sum, DDP's own reducer averaging, the same payload all-reduce, then every reduced "
+        "gradient multiplied by P·c/N once after the backward); **counts ahead, payload in a carrier** (raw level "
+        "only, `ddp_weighted_carrier`: the ablation of counts ahead as it shipped before the payload all-reduce, "
+        "the window's handover riding in DDP's gradient all-reduce as one extra parameter's gradient, "
+        "`carrier.py`); **post-hoc** (fairseq / Megatron / "
         "torchtune: loss sums, DDP mean, then a blocking count all-reduce and ×P/N over every gradient); "
         "**pre-count** (HF Trainer / torchtitan: load the window, blocking count all-reduce before the first "
         "forward, each loss sum ×P/N).",
@@ -427,16 +431,15 @@ def write_report(data: dict[str, Any], out: Path) -> None:
         "",
         "## Where ddp_weighted's cost comes from (raw DDP ablation)",
         "",
-        "Each column adds one piece of the counts-ahead mechanism to plain DDP, all interleaved in the same rounds: "
-        "every loss scaled by a number known on the host (the batches counted as they arrive, nothing else); plus "
-        "the carrier (its parameter in a bucket, its term in the syncing forward, a fixed handover through its "
-        "hook, one host read of its gradient); ddp_weighted with counts ahead as shipped (the window bookkeeping, "
-        "the lookahead, the handover decoded); the same with the carrier's parameter left at the handover's width "
-        "(7 fp32 values: every gradient after it in DDP's bucket off a cache line); the same "
-        "with the handover in its own float64 all-reduce instead "
-        "of the carrier (started before the syncing backward, waited after it: the price of one more collective on "
-        "this machine); and, for reference, torch's own Python `allreduce_hook` (the price of any Python comm hook) "
-        "and ddp_weighted with riding counts.",
+        "Each column adds one piece of counts ahead to plain DDP, all interleaved in the same rounds: every loss "
+        "scaled by a number known on the host (the batches counted as they arrive, nothing else); plus the carrier "
+        "of the ablation (its parameter in a bucket, its term in the syncing forward, a fixed handover through its "
+        "hook, one host read of its gradient); counts ahead through the window loop with the payload in the "
+        "carrier (`ddp_weighted_carrier`: the window bookkeeping, the lookahead, the handover decoded, no collective "
+        "of its own); ddp_weighted with counts ahead as shipped (the same loop, the payload in its own float64 "
+        "all-reduce started before the syncing backward and waited after it: beside the carrier, the price of one "
+        "more collective on this machine); and, for reference, torch's own Python `allreduce_hook` (the price of "
+        "any Python comm hook) and ddp_weighted with riding counts.",
         "",
         ablation_table(data.get("ablation", [])),
         "",
@@ -457,18 +460,20 @@ def write_report(data: dict[str, Any], out: Path) -> None:
         "Thakur et al. 2005 and nccl-tests' `doc/PERFORMANCE.md`, whose bus bandwidth is algbw·2(P−1)/P). "
         "Inputs (defaults of `cost_model.Inputs`, with their sources in its docstring): o = 10 µs per call; "
         "α = 2 µs per NVLink hop (P = 8), 5 µs per InfiniBand hop (P > 8); 1/β = 360 GB/s within a node, "
-        "45 GB/s per GPU across nodes (400 Gb/s NDR); HBM 3.35 TB/s for post-hoc's pass over the gradients. "
-        "With counts ahead each window's handover rides in the gradient all-reduce as the carrier's gradient (7 to "
-        "80 values, by dtype and P, padded to whole 64-byte lines; no call) where it stays exact "
-        "(`reduce.carrier.fits`: bf16 to 256 ranks, "
-        f"fp32 to 2048 or any power of two), else in its own all-reduce of {HANDOVER_BYTES} bytes; riding counts "
-        f"add {RIDE_BYTES} bytes to the first fp32 bucket, or an all-reduce of {COUNT_BYTES} bytes with bf16.",
+        "45 GB/s per GPU across nodes (400 Gb/s NDR); HBM 3.35 TB/s for a pass over the gradients. "
+        "Every path of ddp_weighted moves a window's counts in one float64 all-reduce of its payload "
+        f"({PAYLOAD_BYTES} bytes) per optimizer step (counts ahead: one more of 8 bytes at each epoch's first "
+        "window); riding counts also read and write every gradient once after the backward, multiplying it by "
+        "P·c/N. The carrier ablation (`carrier.py`) would carry the handover in the gradient all-reduce instead, "
+        "as one parameter's gradient (7 to 80 values, by dtype and P, padded to whole 64-byte lines; no call) "
+        "where it stays exact (`carrier.fits`: bf16 to 256 ranks, fp32 to 2048 or any power of two), else in its "
+        f"own all-reduce of {HANDOVER_BYTES} bytes.",
         "",
-        "The share column is an upper bound: it charges the counts in full against a step that holds nothing but "
-        "the gradient all-reduce. A separate handover all-reduce is launched before the syncing backward and "
-        "waited for after it, so it is exposed only when the backward is shorter than its time. Post-hoc and "
-        "pre-count pay a count call fully exposed (blocking) at every P and dtype, post-hoc also a read and "
-        "write of every gradient.",
+        "This is a projection of the model, not a measurement. The share column is an upper bound: it charges the "
+        "payload all-reduce in full against a step that holds nothing but the gradient all-reduce. The payload "
+        "all-reduce is launched before the syncing backward and waited for after it, so it is exposed only when the "
+        "backward is shorter than its time. Post-hoc and pre-count pay a count call fully exposed (blocking) at "
+        "every P and dtype, post-hoc also a read and write of every gradient.",
         "",
         markdown(projection(DEFAULT_MODELS, DEFAULT_RANKS, Inputs())),
         "",

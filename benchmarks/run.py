@@ -3,9 +3,12 @@
 Runs, on 2 gloo ranks of this machine, each level in fresh processes under a hard timeout:
 
 - ``raw``: raw ``DistributedDataParallel`` optimizer steps (``raw_step.py``): plain DDP, an A-vs-A control
-  (a second plain DDP), ddp_weighted with counts ahead (DDP's own reducer) and with riding counts (its comm
-  hook), post-hoc and pre-count normalisation (``anchors.py``), over parameters × accumulation × gradient dtype,
-  repeated ``--repeats`` times, the ranks started by ``torch.distributed.run`` under a hard timeout;
+  (a second plain DDP), ddp_weighted with counts ahead and with riding counts (the package's window loop over
+  DDP's own reducer, one float64 payload all-reduce per step), counts ahead with the window's payload carried in
+  DDP's bucket instead (the carrier ablation, ``carrier.py``), post-hoc and pre-count normalisation
+  (``anchors.py``), over parameters × accumulation × gradient dtype, repeated ``--repeats`` times, the ranks
+  started by ``torch.distributed.run`` under a hard timeout;
+- ``ablation``: the pieces of counts ahead's cost, each added to plain DDP alone;
 - ``sweep``: one rank holding 0/25/50 % fewer microbatches per epoch, padded with zero-count microbatches;
 - ``trainer``: the same variants as whole Lightning ``Trainer`` fits (``trainer_step.py``);
 - ``memory``: one process group per variant, peak resident memory growth over a few steps;
@@ -40,9 +43,8 @@ ABLATION_VARIANTS = [
     "ddp_control",
     "scale_only",
     "carrier_fixed",
+    "ddp_weighted_carrier",
     "ddp_weighted",
-    "ddp_weighted_unpadded",
-    "ddp_weighted_separate",
     "py_allreduce_hook",
     "ddp_weighted_riding",
 ]
@@ -127,7 +129,7 @@ def run_levels(args: argparse.Namespace, grid: dict[str, Any]) -> dict[str, Any]
             for spec in sharded_step.memory_specs(grid["sharded"], args)
         ]
     if "memory" in levels:
-        for variant in ("ddp", "ddp_weighted", "ddp_weighted_riding", "post_hoc", "pre_count"):
+        for variant in ("ddp", "ddp_weighted", "ddp_weighted_carrier", "ddp_weighted_riding", "post_hoc", "pre_count"):
             spec = {
                 "memory": {"point": dataclasses.asdict(grid["memory"]), "variant": variant},
                 "timeout": args.pg_timeout,

@@ -9,7 +9,7 @@ Variants: ``fsdp2`` (Lightning's ``ModelParallelStrategy``, every rank data-para
 model ``fully_shard``-ed; the module returns its local mean), ``fsdp2_control`` (a second one: the noise floor),
 ``fsdp2_weighted`` (``"fsdp2_weighted"``, ``{"loss": mean, "count": n}``: riding counts), ``fsdp2_weighted_ahead``
 (``"fsdp2_weighted"`` with the plain module and ``ItemCounter``: counts ahead), ``fsdp`` (FSDP1 through
-``AnyDeviceFSDPStrategy``, Lightning's ``FSDPStrategy`` enabled on CPU, each ``Linear`` a unit), ``fsdp_weighted``
+``CPUFSDPStrategy``, Lightning's ``FSDPStrategy`` enabled on CPU, each ``Linear`` a unit), ``fsdp_weighted``
 and ``fsdp_weighted_ahead``. With ``--spec '{"memory": ...}'`` it trains one variant alone and reports the growth of its
 peak resident memory. Also holds what ``run.py`` and ``report.py`` need for this level: its grid, the pooling of
 its repeats and its report section.
@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from trainer_step import WAIT_S, BatonFit, PlainModule, WeightedModule, fit_loader, fit_trainer, interleave
 
 import lightning_weighted
-from lightning_weighted import AnyDeviceFSDPStrategy
+from lightning_weighted.trainer.fsdp1 import CPUFSDPStrategy
 
 VARIANTS = (
     "fsdp2",
@@ -110,7 +110,7 @@ def _strategy(name: str, timeout: float) -> Any:
     if name.startswith("fsdp2"):
         cls = lightning_weighted.WeightedModelParallelStrategy if weighted else ModelParallelStrategy
         return cls(data_parallel_size=world, tensor_parallel_size=1, timeout=limit)
-    cls = lightning_weighted.WeightedFSDPStrategy if weighted else AnyDeviceFSDPStrategy
+    cls = lightning_weighted.WeightedFSDPStrategy if weighted else CPUFSDPStrategy
     return cls(auto_wrap_policy={nn.Linear}, timeout=limit)
 
 

@@ -45,11 +45,9 @@ from common import (
     reference_params,
 )
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.strategies import Strategy
 from torch import Tensor
 
 import lightning_weighted  # registers "ddp_weighted"
-from lightning_weighted import WeightedDDPStrategy
 
 PRECISION = {"fp32": "32-true", "bf16": "bf16-true"}
 WAIT_S = 300.0
@@ -70,7 +68,7 @@ class PlainModule(LightningModule):
 
 
 class WeightedModule(PlainModule):
-    """Returns ``{"loss": local_mean, "count": n}``: counts known only after ``training_step`` (they ride)."""
+    """Returns ``{"loss": local_mean, "count": n}``: counts known only after ``training_step`` (riding counts)."""
 
     def training_step(self, batch: Batch, batch_idx: int) -> Any:
         return {"loss": local_mean(self.model, batch), "count": batch[2].sum()}
@@ -81,17 +79,16 @@ def _item_counter() -> list[Callback]:
     return [lightning_weighted.ItemCounter("tokens", key=2, mask=True, log=False)]
 
 
-# name -> (module class, strategy (a name, or a function that makes one), window prefetch, the callbacks it adds)
-VARIANTS: dict[str, tuple[type[LightningModule], str | Callable[[], Strategy], bool, Callable[[], list[Callback]]]] = {
+# name -> (module class, strategy name, window prefetch, the callbacks it adds)
+VARIANTS: dict[str, tuple[type[LightningModule], str, bool, Callable[[], list[Callback]]]] = {
     "ddp": (PlainModule, "ddp", False, list),
     "ddp_control": (PlainModule, "ddp", False, list),
     # plain DDP with one more callback that overrides nothing: Lightning calls every callback's batch hooks
     "ddp_callback": (PlainModule, "ddp", False, lambda: [Callback()]),
-    # the module plain DDP users write, with an ItemCounter: counts taken ahead, DDP's own reducer
+    # the module plain DDP users write, with an ItemCounter: counts taken ahead, every loss scaled before its backward
     "ddp_weighted": (PlainModule, "ddp_weighted", False, _item_counter),
+    # counts returned by training_step: the reduced gradients multiplied by P/N once after the syncing backward
     "ddp_weighted_riding": (WeightedModule, "ddp_weighted", False, list),
-    # the same with DDP's own reducer dividing by N instead of the comm hook
-    "ddp_weighted_riding_reducer": (WeightedModule, lambda: WeightedDDPStrategy(reducer_divides=True), False, list),
     "post_hoc": (PostHocModule, "ddp", False, list),
     "pre_count": (PreCountModule, "ddp", True, list),
 }
@@ -221,8 +218,7 @@ def setup_fit(
     module_cls, strategy, prefetch, added = VARIANTS[name]
     callbacks = [*callbacks, *added()]
     module = module_cls(make_model(point.size, point.seed))
-    made = strategy() if callable(strategy) else strategy
-    return fit_trainer(made, point, steps, callbacks), module, fit_loader(point, rank, steps, prefetch)
+    return fit_trainer(strategy, point, steps, callbacks), module, fit_loader(point, rank, steps, prefetch)
 
 
 def fit_trainer(strategy: Any, point: Point, steps: int, callbacks: list[Callback]) -> Trainer:

@@ -15,6 +15,8 @@ import pytest
 from launcher import ROOT, run
 
 WEIGHTED = ("ddp_weighted", "ddp_weighted_riding", "post_hoc", "pre_count")
+CARRIER = "ddp_weighted_carrier"  # the carrier ablation: counts ahead, the payload in DDP's bucket (raw levels only)
+PAYLOAD_BYTES = 8 * 10  # the window's payload: 10 float64 values (`lightning_weighted.counts.WIDTH`)
 
 
 @pytest.fixture(scope="module")
@@ -44,16 +46,22 @@ def entries(data: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     return [(level, entry) for level in ("raw", "sweep", "trainer") for entry in data[level]]
 
 
+def weighted_at(level: str) -> tuple[str, ...]:
+    return (*WEIGHTED, CARRIER) if level in ("raw", "sweep") else WEIGHTED
+
+
 def test_every_level_ran_with_the_control(results: dict[str, Any]) -> None:
     assert results["raw"] and results["sweep"] and results["trainer"] and results["ablation"]
-    for _, entry in entries(results):
-        assert {"ddp", "ddp_control", *WEIGHTED} <= set(entry["ratio"])
+    for level, entry in entries(results):
+        assert {"ddp", "ddp_control", *weighted_at(level)} <= set(entry["ratio"])
         assert entry["ratio"]["ddp"]["median"] == 1.0
+    for entry in results["ablation"]:
+        assert {"ddp", "ddp_control", "scale_only", "carrier_fixed", CARRIER, "ddp_weighted"} <= set(entry["ratio"])
 
 
 def test_weighted_variants_match_the_float64_reference(results: dict[str, Any]) -> None:
     for level, entry in entries(results):
-        for name in WEIGHTED:
+        for name in weighted_at(level):
             # fp32 over a few SGD steps: rounding only (measured ~1e-6)
             assert entry["deviation"][name] < 1e-4, (level, entry["point"], name, entry["deviation"])
             assert entry["gradient_deviation"][name] < 1e-5, (level, entry["point"], name)
@@ -66,20 +74,25 @@ def test_plain_ddp_is_measurably_wrong(results: dict[str, Any]) -> None:
         assert entry["gradient_deviation"]["ddp"] > 0.3, (level, entry["point"])
 
 
-def test_ddp_weighted_adds_no_collective_and_no_python_in_the_reduction(results: dict[str, Any]) -> None:
+def test_ddp_weighted_adds_one_payload_all_reduce_per_step_and_no_comm_hook(results: dict[str, Any]) -> None:
     for level in ("raw", "trainer"):
         for entry in results[level]:
-            plain, ahead = entry["collectives"]["ddp"], entry["collectives"]["ddp_weighted"]
-            # counts ahead: no comm hook, nothing of its own beyond what plain DDP calls (Lightning's SIGTERM flag)
-            assert ahead["gradient_calls"] == 0 and ahead["other_calls"] == plain["other_calls"], (level, ahead)
-            (buckets, size), (plain_buckets, plain_size) = entry["buckets"]["ddp_weighted"], entry["buckets"]["ddp"]
-            assert (buckets, size) == (plain_buckets, plain_size + 64)  # the carrier's 7 fp32 values ride, padded
+            plain = entry["collectives"]["ddp"]
+            for name in ("ddp_weighted", "ddp_weighted_riding"):  # counts ahead, and counts after
+                ours = entry["collectives"][name]
+                # no comm hook: DDP's C++ reducer reduces the same buckets as plain DDP's, no Python in between
+                assert ours["gradient_calls"] == 0, (level, name, ours)
+                assert entry["buckets"][name] == entry["buckets"]["ddp"], (level, name, entry["buckets"])
+                # beyond plain DDP (Lightning's SIGTERM flag): exactly the window's payload, one float64 all-reduce
+                assert ours["other_calls"] == plain["other_calls"] + 1, (level, name, ours, plain)
+                assert ours["other_bytes"] == plain["other_bytes"] + PAYLOAD_BYTES, (level, name, ours, plain)
+                assert set(ours["kinds"]) == {*plain["kinds"], "all_reduce[float64]"}, (level, name, ours)
     for entry in results["raw"]:
-        riding = entry["collectives"]["ddp_weighted_riding"]
-        buckets, bucket_bytes = entry["buckets"]["ddp_weighted_riding"]
-        assert riding["gradient_calls"] == buckets  # its Python hook reduces exactly DDP's buckets
-        assert riding["gradient_bytes"] == bucket_bytes + 48  # the counts ride: 12 fp32 values in the first
-        assert riding["other_calls"] == 0
+        carrier, plain = entry["collectives"][CARRIER], entry["collectives"]["ddp"]
+        # the carrier ablation adds no collective: the payload rides in DDP's bucket, as one parameter's gradient
+        assert carrier["gradient_calls"] == 0 and carrier["other_calls"] == plain["other_calls"] == 0, carrier
+        (buckets, size), (plain_buckets, plain_size) = entry["buckets"][CARRIER], entry["buckets"]["ddp"]
+        assert (buckets, size) == (plain_buckets, plain_size + 64)  # its 7 fp32 values, padded to 64 bytes
 
 
 SHARDED = {  # each weighted strategy (riding counts, counts ahead) and its plain counterpart
@@ -109,9 +122,8 @@ def test_sharded_strategies_add_one_small_count_all_reduce_per_step_to_their_pla
         for weighted, plain in SHARDED.items():
             ours, theirs = entry["collectives"][weighted], entry["collectives"][plain]
             extra = {kind: value for kind, value in ours.items() if theirs.get(kind) != value}
-            # riding counts: the window's 6-value payload; counts ahead: the 4-value handover (the next window's N)
-            size = 32 if weighted.endswith("_ahead") else 48
-            assert extra == {"all_reduce[float64]": [1, size]}, (entry["point"], weighted, ours, theirs)
+            # riding counts and counts ahead alike: the window's 10-value float64 payload, once per step
+            assert extra == {"all_reduce[float64]": [1, PAYLOAD_BYTES]}, (entry["point"], weighted, ours, theirs)
             assert set(theirs) <= set(ours)
 
 
@@ -123,7 +135,7 @@ def test_the_one_rank_overhead_table_has_a_cell_per_variant_and_point() -> None:
     assert [row.split(" (")[0] for row in rows] == ["| tiny A=1", "| tiny A=4"], done.stdout
     for row in rows:
         cells = [cell.strip() for cell in row.strip("|").split("|")]
-        assert len(cells) == 2 + 7 and all(cell.replace(" ", "") for cell in cells), row  # plain, then 7 variants
+        assert len(cells) == 2 + 8 and all(cell.replace(" ", "") for cell in cells), row  # plain, then 8 variants
         assert float(cells[1]) > 0  # plain DDP's step, µs
 
 
