@@ -3,7 +3,7 @@
 Every path moves a window's counts in one asynchronous float64 all-reduce of ``lightning_weighted.counts.WIDTH``
 values (the window's payload: 80 bytes) per optimizer step, launched right before the syncing backward and waited
 for after it (``lightning_weighted.loop.Exchange``); counts ahead (an ItemCounter) add one 1-value all-reduce at
-each epoch's first window, left out here. Riding counts (returned by ``training_step``, known only after the
+each epoch's first window, left out here. Counts after (returned by ``training_step``, known only after the
 forward) also pass once over every gradient after the backward, multiplying it by ``P·c/N`` (a read and a write).
 The ablation beside it, ``benchmarks/carrier.py`` (what counts ahead shipped before the payload all-reduce): each
 window's handover rides in DDP's gradient all-reduce as the gradient of one extra parameter (``carrier.width(dtype,
@@ -49,7 +49,7 @@ class Inputs:
     - ``bw_intra``: 360 GB/s all-reduce bus bandwidth within a node (nccl-tests on NVLink4 H100 SXM reach
       ~360-480 GB/s busbw).
     - ``bw_inter``: 45 GB/s per GPU across nodes (one 400 Gb/s NDR NIC per GPU = 50 GB/s line rate, ~90 %).
-    - ``hbm``: 3.35 TB/s device memory bandwidth (H100 SXM), for the pass over the gradients (post-hoc, riding counts).
+    - ``hbm``: 3.35 TB/s device memory bandwidth (H100 SXM), for the pass over the gradients (post-hoc, counts after).
     - ``gpus_per_node``: 8.
     """
 
@@ -76,7 +76,7 @@ def allreduce_time(size_bytes: float, ranks: int, inputs: Inputs) -> tuple[float
 
 
 def projection(gradient_bytes: dict[str, float], ranks: list[int], inputs: Inputs) -> list[dict[str, float | str]]:
-    """Rows of (P, model): what ddp_weighted's counts add (the payload all-reduce, every path; riding counts also
+    """Rows of (P, model): what ddp_weighted's counts add (the payload all-reduce, every path; counts after also
     their pass over the gradients after the backward) and the payload's share of a step that is at least as long
     as the gradient all-reduce (an upper bound: it assumes nothing else in the step, and the payload all-reduce
     fully exposed although it is launched before the syncing backward and overlaps it); beside it what the carrier
@@ -103,7 +103,7 @@ def projection(gradient_bytes: dict[str, float], ranks: list[int], inputs: Input
                     "model": model,
                     "count_algorithm": algorithm,
                     "count_us": payload * 1e6,
-                    "riding_pass_us": gradient_pass * 1e6,
+                    "after_pass_us": gradient_pass * 1e6,
                     "grad_allreduce_ms": gradient * 1e3,
                     "share_upper_bound": payload / (payload + gradient),
                     "carrier_how": how,
@@ -118,14 +118,14 @@ def projection(gradient_bytes: dict[str, float], ranks: list[int], inputs: Input
 def markdown(rows: list[dict[str, float | str]]) -> str:
     lines = [
         f"| P | gradients | the payload all-reduce ({PAYLOAD_BYTES} B) | its cost, if exposed (µs) |"
-        " riding counts, beyond it: the pass over the gradients (µs) | gradient all-reduce (ms) | its share ≤ |"
+        " counts after, beyond it: the pass over the gradients (µs) | gradient all-reduce (ms) | its share ≤ |"
         " carrier ablation: the handover | its cost (µs) | post-hoc exposed (µs) | pre-count exposed (µs) |",
         "|---:|---|---|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for row in rows:
         lines.append(
             f"| {row['P']} | {row['model']} | {row['count_algorithm']} | {row['count_us']:.3g} |"
-            f" {row['riding_pass_us']:.3g} | {row['grad_allreduce_ms']:.3f} |"
+            f" {row['after_pass_us']:.3g} | {row['grad_allreduce_ms']:.3f} |"
             f" {100 * float(row['share_upper_bound']):.3g} % | {row['carrier_how']} | {row['carrier_us']:.3g} |"
             f" {row['post_hoc_extra_us']:.0f} | {row['pre_count_extra_us']:.0f} |"
         )

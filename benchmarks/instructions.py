@@ -68,7 +68,7 @@ def count(size: str, accumulate: int, steps: int, variants: list[str], library: 
             dump(label)
 
 
-TRAINER_DEFAULT = ["ddp_control", "ddp_callback", "ddp_weighted", "ddp_weighted_riding"]
+TRAINER_DEFAULT = ["ddp_control", "ddp_callback", "ddp_weighted", "ddp_weighted_after"]
 
 
 def count_fit(size: str, accumulate: int, steps: int, name: str, library: Path) -> None:

@@ -36,7 +36,7 @@ DEFAULT = [
     "carrier_fixed",
     "ddp_weighted_carrier",
     "ddp_weighted",
-    "ddp_weighted_riding",
+    "ddp_weighted_after",
 ]
 
 

@@ -92,14 +92,14 @@ class WeightedStep(RawStep):
         self.finish()
 
 
-class RidingStep(WeightedStep):
+class AfterStep(WeightedStep):
     """What ``strategy="ddp_weighted"`` does with counts returned by ``training_step`` (known only after it): each
     count (``batch[2].sum()``, a tensor, as ``training_step`` returns it) is checked where it lives, each loss
     scaled to its item sum, the window's payload summed by one asynchronous float64 all-reduce started before the
     syncing backward, DDP's own C++ reducer averaging, and the reduced gradients multiplied by ``P c / N`` once
     after it."""
 
-    name = "ddp_weighted_riding"
+    name = "ddp_weighted_after"
 
     def step(self, window: Iterator[Batch]) -> None:
         loop = self.loop
@@ -272,7 +272,7 @@ VARIANTS: dict[str, type[RawStep]] = {
         ControlStep,
         AheadStep,
         AheadCarrierStep,
-        RidingStep,
+        AfterStep,
         PostHocStep,
         PreCountStep,
         PythonHookStep,
@@ -405,7 +405,7 @@ CORE = [
     "ddp_control",
     "ddp_weighted",
     "ddp_weighted_carrier",
-    "ddp_weighted_riding",
+    "ddp_weighted_after",
     "post_hoc",
     "pre_count",
 ]

@@ -9,14 +9,14 @@ from typing import Any
 from cost_model import DEFAULT_MODELS, DEFAULT_RANKS, HANDOVER_BYTES, PAYLOAD_BYTES, Inputs, markdown, projection
 
 # the variants of the speed and correctness tables, where a level ran them (the carrier ablation: the raw level)
-SHOWN = ["ddp_control", "ddp_weighted", "ddp_weighted_riding", "ddp_weighted_carrier", "post_hoc", "pre_count"]
+SHOWN = ["ddp_control", "ddp_weighted", "ddp_weighted_after", "ddp_weighted_carrier", "post_hoc", "pre_count"]
 INTERVALS = ("ddp_control", "ddp_weighted")  # the ratios whose median's confidence interval the tables show
-WEIGHTED = ["ddp_weighted", "ddp_weighted_riding", "ddp_weighted_carrier", "post_hoc", "pre_count"]
+WEIGHTED = ["ddp_weighted", "ddp_weighted_after", "ddp_weighted_carrier", "post_hoc", "pre_count"]
 TITLES = {
     "ddp": "plain DDP",
     "ddp_control": "A-vs-A control",
     "ddp_weighted": "ddp_weighted (counts ahead)",
-    "ddp_weighted_riding": "ddp_weighted (riding counts)",
+    "ddp_weighted_after": "ddp_weighted (counts after)",
     "ddp_weighted_carrier": "counts ahead, payload in a carrier (ablation)",
     "post_hoc": "post-hoc",
     "pre_count": "pre-count",
@@ -161,7 +161,7 @@ def collectives_table(points: list[dict[str, Any]], level: str) -> str:
         "Counted over the last warm-up step. Every variant here reduces its buckets in DDP's C++ reducer (no comm "
         "hook), which a Python wrapper of `torch.distributed` never sees: their bucket counts and bytes come from "
         "DDP's logging data (`rebuilt_bucket_sizes`); a Python comm hook's buckets would be counted by the wrapper. "
-        "ddp_weighted, with counts ahead and with riding counts alike, adds one asynchronous float64 all-reduce of "
+        "ddp_weighted, with counts ahead and with counts after alike, adds one asynchronous float64 all-reduce of "
         f"the window's payload ({PAYLOAD_BYTES} bytes) per step, started before the syncing backward (counted "
         "under 'other'); post-hoc and pre-count one blocking 8-byte count all-reduce. The carrier ablation adds no "
         "collective: one bucket holds the carrier's gradient (7 values in fp32, 14 in bf16, on 2 ranks, padded to "
@@ -240,7 +240,7 @@ def cpu_model_table(data: dict[str, Any]) -> str:
         return "(no probe)"
     lines = [
         "| point | plain DDP step (ms) | one small all-reduce, if fully exposed | ddp_weighted (ahead) ÷ DDP − 1 |"
-        " riding ÷ DDP − 1 | A-vs-A control − 1 |",
+        " after ÷ DDP − 1 | A-vs-A control − 1 |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for entry in data["raw"]:
@@ -249,7 +249,7 @@ def cpu_model_table(data: dict[str, Any]) -> str:
         lines.append(
             f"| {point['size']} A={point['accumulate']} {point['dtype']} | {step * 1e3:.2f} |"
             f" {100 * count / step:.1f} % | {100 * (entry['ratio']['ddp_weighted']['median'] - 1):+.1f} % |"
-            f" {100 * (entry['ratio']['ddp_weighted_riding']['median'] - 1):+.1f} % |"
+            f" {100 * (entry['ratio']['ddp_weighted_after']['median'] - 1):+.1f} % |"
             f" {100 * (entry['ratio']['ddp_control']['median'] - 1):+.1f} % |"
         )
     return "\n".join(lines) + (
@@ -270,7 +270,7 @@ def write_chart(data: dict[str, Any], path: Path) -> None:
     colors = {
         "ddp_control": "grey",
         "ddp_weighted": "tab:blue",
-        "ddp_weighted_riding": "tab:purple",
+        "ddp_weighted_after": "tab:purple",
         "ddp_weighted_carrier": "tab:cyan",
         "post_hoc": "tab:orange",
         "pre_count": "tab:green",
@@ -353,7 +353,7 @@ def write_report(data: dict[str, Any], out: Path) -> None:
         "the loader yields it, every loss scaled by P·n/N before its backward, DDP's own C++ reducer with no comm "
         "hook, the window's payload — its flags and loss, the next window's N — summed by one asynchronous "
         f"{PAYLOAD_BYTES}-byte float64 all-reduce started before the syncing backward and read once after it); "
-        "**ddp_weighted (riding counts)** (counts returned by `training_step`, checked on the device: each loss "
+        "**ddp_weighted (counts after)** (counts returned by `training_step`, checked on the device: each loss "
         "scaled to its item sum, DDP's own reducer averaging, the same payload all-reduce, then every reduced "
         "gradient multiplied by P·c/N once after the backward); **counts ahead, payload in a carrier** (raw level "
         "only, `ddp_weighted_carrier`: the ablation of counts ahead as it shipped before the payload all-reduce, "
@@ -388,7 +388,7 @@ def write_report(data: dict[str, Any], out: Path) -> None:
         "thread; a baton callback parks each fit at every window start and the main thread releases one window "
         "at a time, so the interleaving and pairing are the same as in the raw benchmark. ddp_weighted (counts "
         "ahead) is the plain DDP module (a bare mean loss) with `ItemCounter('tokens', key=2, mask=True, "
-        "log=False)`; ddp_weighted (riding counts) returns `{'loss': mean, 'count': n}`. bf16 is `bf16-true`.",
+        "log=False)`; ddp_weighted (counts after) returns `{'loss': mean, 'count': n}`. bf16 is `bf16-true`.",
         "",
         speed_table(data["trainer"], params) if data["trainer"] else "(not run)",
         "",
@@ -439,7 +439,7 @@ def write_report(data: dict[str, Any], out: Path) -> None:
         "of its own); ddp_weighted with counts ahead as shipped (the same loop, the payload in its own float64 "
         "all-reduce started before the syncing backward and waited after it: beside the carrier, the price of one "
         "more collective on this machine); and, for reference, torch's own Python `allreduce_hook` (the price of "
-        "any Python comm hook) and ddp_weighted with riding counts.",
+        "any Python comm hook) and ddp_weighted with counts after.",
         "",
         ablation_table(data.get("ablation", [])),
         "",
@@ -463,7 +463,7 @@ def write_report(data: dict[str, Any], out: Path) -> None:
         "45 GB/s per GPU across nodes (400 Gb/s NDR); HBM 3.35 TB/s for a pass over the gradients. "
         "Every path of ddp_weighted moves a window's counts in one float64 all-reduce of its payload "
         f"({PAYLOAD_BYTES} bytes) per optimizer step (counts ahead: one more of 8 bytes at each epoch's first "
-        "window); riding counts also read and write every gradient once after the backward, multiplying it by "
+        "window); counts after also read and write every gradient once after the backward, multiplying it by "
         "P·c/N. The carrier ablation (`carrier.py`) would carry the handover in the gradient all-reduce instead, "
         "as one parameter's gradient (7 to 80 values, by dtype and P, padded to whole 64-byte lines; no call) "
         "where it stays exact (`carrier.fits`: bf16 to 256 ranks, fp32 to 2048 or any power of two), else in its "

@@ -3,7 +3,7 @@
 Runs, on 2 gloo ranks of this machine, each level in fresh processes under a hard timeout:
 
 - ``raw``: raw ``DistributedDataParallel`` optimizer steps (``raw_step.py``): plain DDP, an A-vs-A control
-  (a second plain DDP), ddp_weighted with counts ahead and with riding counts (the package's window loop over
+  (a second plain DDP), ddp_weighted with counts ahead and with counts after (the package's window loop over
   DDP's own reducer, one float64 payload all-reduce per step), counts ahead with the window's payload carried in
   DDP's bucket instead (the carrier ablation, ``carrier.py``), post-hoc and pre-count normalisation
   (``anchors.py``), over parameters × accumulation × gradient dtype, repeated ``--repeats`` times, the ranks
@@ -46,7 +46,7 @@ ABLATION_VARIANTS = [
     "ddp_weighted_carrier",
     "ddp_weighted",
     "py_allreduce_hook",
-    "ddp_weighted_riding",
+    "ddp_weighted_after",
 ]
 
 
@@ -129,7 +129,7 @@ def run_levels(args: argparse.Namespace, grid: dict[str, Any]) -> dict[str, Any]
             for spec in sharded_step.memory_specs(grid["sharded"], args)
         ]
     if "memory" in levels:
-        for variant in ("ddp", "ddp_weighted", "ddp_weighted_carrier", "ddp_weighted_riding", "post_hoc", "pre_count"):
+        for variant in ("ddp", "ddp_weighted", "ddp_weighted_carrier", "ddp_weighted_after", "post_hoc", "pre_count"):
             spec = {
                 "memory": {"point": dataclasses.asdict(grid["memory"]), "variant": variant},
                 "timeout": args.pg_timeout,

@@ -7,7 +7,7 @@ same on every rank), so each weighted strategy and its plain counterpart run sid
 
 Variants: ``fsdp2`` (Lightning's ``ModelParallelStrategy``, every rank data-parallel, each ``Linear`` and the
 model ``fully_shard``-ed; the module returns its local mean), ``fsdp2_control`` (a second one: the noise floor),
-``fsdp2_weighted`` (``"fsdp2_weighted"``, ``{"loss": mean, "count": n}``: riding counts), ``fsdp2_weighted_ahead``
+``fsdp2_weighted`` (``"fsdp2_weighted"``, ``{"loss": mean, "count": n}``: counts after), ``fsdp2_weighted_ahead``
 (``"fsdp2_weighted"`` with the plain module and ``ItemCounter``: counts ahead), ``fsdp`` (FSDP1 through
 ``CPUFSDPStrategy``, Lightning's ``FSDPStrategy`` enabled on CPU, each ``Linear`` a unit), ``fsdp_weighted``
 and ``fsdp_weighted_ahead``. With ``--spec '{"memory": ...}'`` it trains one variant alone and reports the growth of its
@@ -69,10 +69,10 @@ PAIRS = {  # variant -> baseline
 TITLES = {
     "fsdp2": "plain FSDP2",
     "fsdp2_control": "plain FSDP2 (control)",
-    "fsdp2_weighted": "fsdp2_weighted (riding counts)",
+    "fsdp2_weighted": "fsdp2_weighted (counts after)",
     "fsdp2_weighted_ahead": "fsdp2_weighted (counts ahead)",
     "fsdp": "plain FSDP1",
-    "fsdp_weighted": "fsdp_weighted (riding counts)",
+    "fsdp_weighted": "fsdp_weighted (counts after)",
     "fsdp_weighted_ahead": "fsdp_weighted (counts ahead)",
 }
 
@@ -335,12 +335,12 @@ def section(data: dict[str, Any]) -> str:
         " as in the Trainer benchmark (`sharded_step.py`): **plain FSDP2** is Lightning's `ModelParallelStrategy`"
         " (each `Linear` and the model `fully_shard`-ed over every rank; it reduce-scatters every microbatch),"
         " **plain FSDP1** is Lightning's `FSDPStrategy` enabled on CPU (each `Linear` a unit; it reduce-scatters"
-        " once per window). Each weighted strategy runs twice: with riding counts (the module returns"
+        " once per window). Each weighted strategy runs twice: with counts after (the module returns"
         " `{'loss': mean, 'count': n}`) and with counts ahead (the plain module and `ItemCounter`). Ratios are paired"
         " with the plain counterpart of the same round: median (its 95 % confidence interval) [p10, p90].",
         "",
-        "| point | plain FSDP2 step (ms) | control ÷ FSDP2 | fsdp2_weighted (riding counts) ÷ FSDP2 |"
-        " fsdp2_weighted (counts ahead) ÷ FSDP2 | plain FSDP1 step (ms) | fsdp_weighted (riding counts) ÷ FSDP1 |"
+        "| point | plain FSDP2 step (ms) | control ÷ FSDP2 | fsdp2_weighted (counts after) ÷ FSDP2 |"
+        " fsdp2_weighted (counts ahead) ÷ FSDP2 | plain FSDP1 step (ms) | fsdp_weighted (counts after) ÷ FSDP1 |"
         " fsdp_weighted (counts ahead) ÷ FSDP1 | deviation / gradient deviation, in the column order |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]

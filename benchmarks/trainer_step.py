@@ -68,7 +68,7 @@ class PlainModule(LightningModule):
 
 
 class WeightedModule(PlainModule):
-    """Returns ``{"loss": local_mean, "count": n}``: counts known only after ``training_step`` (riding counts)."""
+    """Returns ``{"loss": local_mean, "count": n}``: counts known only after ``training_step`` (counts after)."""
 
     def training_step(self, batch: Batch, batch_idx: int) -> Any:
         return {"loss": local_mean(self.model, batch), "count": batch[2].sum()}
@@ -88,7 +88,7 @@ VARIANTS: dict[str, tuple[type[LightningModule], str, bool, Callable[[], list[Ca
     # the module plain DDP users write, with an ItemCounter: counts taken ahead, every loss scaled before its backward
     "ddp_weighted": (PlainModule, "ddp_weighted", False, _item_counter),
     # counts returned by training_step: the reduced gradients multiplied by P/N once after the syncing backward
-    "ddp_weighted_riding": (WeightedModule, "ddp_weighted", False, list),
+    "ddp_weighted_after": (WeightedModule, "ddp_weighted", False, list),
     "post_hoc": (PostHocModule, "ddp", False, list),
     "pre_count": (PreCountModule, "ddp", True, list),
 }

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from launcher import ROOT, run
 
-WEIGHTED = ("ddp_weighted", "ddp_weighted_riding", "post_hoc", "pre_count")
+WEIGHTED = ("ddp_weighted", "ddp_weighted_after", "post_hoc", "pre_count")
 CARRIER = "ddp_weighted_carrier"  # the carrier ablation: counts ahead, the payload in DDP's bucket (raw levels only)
 PAYLOAD_BYTES = 8 * 10  # the window's payload: 10 float64 values (`lightning_weighted.counts.WIDTH`)
 
@@ -78,7 +78,7 @@ def test_ddp_weighted_adds_one_payload_all_reduce_per_step_and_no_comm_hook(resu
     for level in ("raw", "trainer"):
         for entry in results[level]:
             plain = entry["collectives"]["ddp"]
-            for name in ("ddp_weighted", "ddp_weighted_riding"):  # counts ahead, and counts after
+            for name in ("ddp_weighted", "ddp_weighted_after"):  # counts ahead, and counts after
                 ours = entry["collectives"][name]
                 # no comm hook: DDP's C++ reducer reduces the same buckets as plain DDP's, no Python in between
                 assert ours["gradient_calls"] == 0, (level, name, ours)
@@ -95,7 +95,7 @@ def test_ddp_weighted_adds_one_payload_all_reduce_per_step_and_no_comm_hook(resu
         assert (buckets, size) == (plain_buckets, plain_size + 64)  # its 7 fp32 values, padded to 64 bytes
 
 
-SHARDED = {  # each weighted strategy (riding counts, counts ahead) and its plain counterpart
+SHARDED = {  # each weighted strategy (counts after, counts ahead) and its plain counterpart
     "fsdp2_weighted": "fsdp2",
     "fsdp2_weighted_ahead": "fsdp2",
     "fsdp_weighted": "fsdp",
@@ -122,7 +122,7 @@ def test_sharded_strategies_add_one_small_count_all_reduce_per_step_to_their_pla
         for weighted, plain in SHARDED.items():
             ours, theirs = entry["collectives"][weighted], entry["collectives"][plain]
             extra = {kind: value for kind, value in ours.items() if theirs.get(kind) != value}
-            # riding counts and counts ahead alike: the window's 10-value float64 payload, once per step
+            # counts after and counts ahead alike: the window's 10-value float64 payload, once per step
             assert extra == {"all_reduce[float64]": [1, PAYLOAD_BYTES]}, (entry["point"], weighted, ours, theirs)
             assert set(theirs) <= set(ours)
 
