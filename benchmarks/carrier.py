@@ -279,7 +279,7 @@ class CarrierLoop(WindowLoop):
 
 def _add_share(window: Window, slot: Tensor) -> None:
     """Adds this rank's share of the window's loss, ``Σ n·loss / N``, to the carrier's loss slot (on the device)."""
-    loss, total = window._device.get(Slot.LOSS), window.total
+    loss, total = window.loss_sum, window.total
     if loss is None or total is None:
         return  # no microbatch of this rank was weighted
     if isinstance(total, Tensor):  # N still on the device (an epoch's first window)

@@ -171,8 +171,8 @@ class Targets:
         self.owners: list[tuple[nn.Module, str]] = []
         seen: set[int] = set()
         for owner in module.modules():
-            for name, param in owner._parameters.items():
-                if param is not None and param.requires_grad and id(param) not in seen:
+            for name, param in owner.named_parameters(recurse=False):
+                if param.requires_grad and id(param) not in seen:
                     seen.add(id(param))
                     self.owners.append((owner, name))
 

@@ -169,12 +169,11 @@ def read_count(value: object, integer: bool = False, host: bool = False) -> Coun
         if host:
             return read_count(value.item(), integer)
         tensor = value.detach().reshape(()).double()
-        checks = [(~torch.isfinite(tensor), Problem.NOT_FINITE), (tensor < 0, Problem.NEGATIVE)]
-        if integer and value.is_floating_point():
-            checks.append((tensor != tensor.floor(), Problem.FRACTIONAL))
-        problem = torch.zeros((), dtype=torch.float64, device=tensor.device)
-        for failed, kind in reversed(checks):  # the first failing check wins
-            problem = torch.where(failed, float(kind), problem)
+        finite = tensor.abs() < math.inf  # NaN too is not
+        negative = torch.where(tensor < 0, float(Problem.NEGATIVE), torch.zeros_like(tensor))
+        problem = torch.where(finite, negative, float(Problem.NOT_FINITE))
+        if integer and value.is_floating_point():  # the first failing check wins
+            problem = torch.where((problem == 0) & (tensor != tensor.floor()), float(Problem.FRACTIONAL), problem)
         return Count(tensor, problem)
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         return Count(math.nan, Problem.NOT_A_NUMBER)

@@ -164,7 +164,7 @@ class WindowLoop:
         """
         factor = self.factor
         if isinstance(factor, Tensor):  # a count on the device: never compared on the host
-            scaled = loss * (factor * multiplier)
+            scaled = loss * (factor if multiplier == 1 else factor * multiplier)
         elif factor == 0:
             scaled = self.refused(loss) if loss.grad_fn is None else self.engine.empty(loss)
         else:

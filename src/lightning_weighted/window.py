@@ -85,7 +85,7 @@ class Window:
         [6.0, 0.0, 0.0, 0.0, 0.0, 0.0, 24.0, 0.0, 0.0, 0.0]
     """
 
-    __slots__ = ("_device", "divisor", "items", "problem", "reference", "shares", "total")
+    __slots__ = ("_device", "_tensors", "divisor", "items", "problem", "reference", "shares", "total")
 
     def __init__(
         self,
@@ -97,8 +97,9 @@ class Window:
         self.reference, self.total, self.divisor, self.shares = reference, total, divisor, shares
         self.items = 0.0  # Σ n of host counts
         self.problem: tuple[Problem, float] | None = None  # the first problem known on the host
-        # what lives on a device: Σ n of tensor counts, the first problem found there and its value, Σ n · loss
-        self._device: dict[Slot, Tensor] = {}
+        self._device: dict[Slot, Tensor] = {}  # Σ n · loss of host counts, on the loss's device
+        # the counts that live on a device, as given: (n, its problem, the detached loss, whether an item sum)
+        self._tensors: list[tuple[Tensor, Tensor | None, Tensor | None, bool]] = []
 
     @property
     def ahead(self) -> bool:
@@ -131,21 +132,10 @@ class Window:
         return self._factor(weight)
 
     def _add_tensor(self, n: Tensor, problem: Tensor | None, loss: Tensor | None, item_sum: bool) -> Tensor:
-        valid = n > 0 if problem is None else (problem == 0) & (n > 0)
-        counted = torch.where(valid, n, 0.0)
-        self._accumulate(Slot.ITEMS, counted)
-        if problem is not None:
-            first = self._device.get(Slot.CODE)
-            if first is None:
-                self._device[Slot.CODE], self._device[Slot.VALUE] = problem, torch.where(problem > 0, n, 0.0)
-            else:  # the window's first problem stays
-                self._device[Slot.CODE] = torch.where(first > 0, first, problem)
-                self._device[Slot.VALUE] = torch.where(first > 0, self._device[Slot.VALUE], n)
-        weight = torch.where(valid, 1.0, 0.0) if item_sum else counted
-        if loss is not None:
-            part = loss.detach().sum().double()
-            self._accumulate(Slot.LOSS, torch.where(valid, part * weight, 0.0))  # an inf loss of no count: 0
-            self._accumulate(Slot.UNCUT, (~valid & ~torch.isfinite(part)).double())
+        # Kept as it is: the window's device fields are computed once, by ``payload``, over all its microbatches.
+        self._tensors.append((n, problem, None if loss is None else loss.detach(), item_sum))
+        ok = n > 0 if problem is None else (problem == 0) & (n > 0) if item_sum else problem == 0
+        weight = ok.double() if item_sum else torch.where(ok, n, 0.0)  # a bad count's loss: 0
         factor = self._factor(weight)
         assert isinstance(factor, Tensor)
         return factor
@@ -165,7 +155,7 @@ class Window:
 
     def _factor(self, weight: float | Tensor) -> float | Tensor:
         if self.total is None:
-            return weight / self.reference
+            return weight if isinstance(self.reference, float) and self.reference == 1.0 else weight / self.reference
         if isinstance(self.total, Tensor):  # N still on the device: an epoch's first window counted ahead
             return torch.where(self.total > 0, weight * self.divisor / self.total, 0.0)
         return weight * self.divisor / self.total if self.total > 0 else 0.0
@@ -201,9 +191,16 @@ class Window:
         if device.type == "cuda":
             vector = vector.pin_memory()  # a pinned, non-blocking copy keeps the host from waiting
         vector = vector.to(device, non_blocking=True)
-        for slot, part in _device_fields(self._device, self.items, self.problem is not None, rank).items():
-            vector[slot] += part.to(device)
+        parts = self._device_fields(rank)
+        if parts:
+            values = torch.stack([part.to(device) for part in parts.values()])
+            vector = vector.index_add(0, _index(tuple(parts), device), values)
         return vector
+
+    @property
+    def loss_sum(self) -> Tensor | None:
+        """The loss's item sum over the host counts so far, on the loss's device (``None``: none yet)."""
+        return self._device.get(Slot.LOSS)
 
     def finish(self, summed: Sequence[float], step: int, wording: Wording = TRAINER, ranks: int = 1) -> WindowResult:
         """The window's result from the SUM of every rank's payload; raises its error, the same on every rank.
@@ -223,27 +220,56 @@ class Window:
             step, items, summed[WIDTH], loss, total.ranks_with_more, ranks, total.following, total.uncut
         )
 
+    def _device_fields(self, rank: int) -> dict[Slot, Tensor]:
+        """The payload's fields that live on a device, in one pass over the window's device counts.
 
-def _device_fields(parts: dict[Slot, Tensor], items: float, host_problem: bool, rank: int) -> dict[Slot, Tensor]:
-    """The payload's fields that live on a device: items, the first problem found there, the loss, the flag.
+        A rank reports one problem: the first found on the host if there is one, else the first found on the device.
+        """
+        fields = dict(self._device)
+        if not self._tensors:
+            return fields
+        n = torch.stack([count for count, _, _, _ in self._tensors])
+        zero = n.new_zeros(())
+        problems = torch.stack([zero if problem is None else problem for _, problem, _, _ in self._tensors])
+        valid = (problems == 0) & (n > 0)
+        counted = torch.where(valid, n, 0.0)
+        items = counted.sum()
+        fields[Slot.ITEMS] = items
+        if any(loss is not None for _, _, loss, _ in self._tensors):
+            losses = torch.stack(
+                [zero if loss is None else loss if loss.dim() == 0 else loss.sum() for _, _, loss, _ in self._tensors]
+            ).double()
+            sums = [item_sum for _, _, _, item_sum in self._tensors]
+            weights = (
+                valid.double()
+                if all(sums)
+                else counted
+                if not any(sums)
+                else torch.where(torch.tensor(sums, device=n.device), valid.double(), counted)
+            )
+            loss = torch.where(valid, losses * weights, 0.0).sum()  # an inf loss of no count: 0
+            fields[Slot.LOSS] = loss if Slot.LOSS not in fields else fields[Slot.LOSS] + loss
+            fields[Slot.UNCUT] = (~torch.isfinite(torch.where(valid, 0.0, losses).sum())).double()
+        if self.problem is None:
+            first = (problems > 0).double().argmax()  # the window's first problem (the first microbatch if none)
+            kind, value = torch.take(problems, first), torch.take(n, first)
+            total = items + self.items
+            too_large = (kind == 0) & (total >= MAX_ITEMS)
+            kind = torch.where(too_large, float(Problem.TOO_LARGE), kind)
+            failed = kind > 0
+            fields[Slot.INVALID] = failed.double()
+            fields[Slot.CODE] = torch.where(failed, kind + code(rank, 0), 0.0)
+            fields[Slot.VALUE] = torch.where(too_large, total, torch.where(failed, value, 0.0))
+            fields[Slot.KIND], fields[Slot.KIND_SQUARED] = kind, kind * kind
+        return fields
 
-    A rank reports one problem: the one found on the host (``host_problem``) if there is one.
-    """
-    fields = dict(parts)
-    if Slot.UNCUT in fields:
-        fields[Slot.UNCUT] = (fields[Slot.UNCUT] > 0).double()
-    counted = fields.get(Slot.ITEMS)
-    if counted is not None:
-        total = counted + items
-        too_large = total >= MAX_ITEMS
-        first = fields.get(Slot.CODE, torch.zeros((), dtype=torch.float64, device=counted.device))
-        fields[Slot.VALUE] = torch.where(first > 0, fields.get(Slot.VALUE, 0.0), torch.where(too_large, total, 0.0))
-        fields[Slot.CODE] = torch.where(first > 0, first, torch.where(too_large, float(Problem.TOO_LARGE), 0.0))
-    problem = fields.pop(Slot.CODE, None)
-    if problem is not None and host_problem:
-        fields.pop(Slot.VALUE, None)
-    elif problem is not None:
-        fields[Slot.INVALID] = (problem > 0).double()
-        fields[Slot.CODE] = torch.where(problem > 0, problem + code(rank, 0), 0.0)
-        fields[Slot.KIND], fields[Slot.KIND_SQUARED] = problem, problem * problem
-    return fields
+
+_INDICES: dict[tuple[tuple[Slot, ...], torch.device], Tensor] = {}
+
+
+def _index(slots: tuple[Slot, ...], device: torch.device) -> Tensor:
+    """The payload positions of ``slots`` on ``device``, made once per layout (no copy to the device per window)."""
+    index = _INDICES.get((slots, device))
+    if index is None:
+        index = _INDICES[(slots, device)] = torch.tensor([int(slot) for slot in slots], device=device)
+    return index
