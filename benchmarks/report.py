@@ -98,8 +98,8 @@ def speed_table(points: list[dict[str, Any]], params: dict[str, int]) -> str:
     lines = [
         "| point | params | plain DDP step (ms) | "
         + " | ".join(f"{TITLES[n]} ÷ DDP" for n in shown)
-        + " | ddp_weighted per repeat |",
-        "|---|---:|---:|" + "---:|" * len(shown) + "---|",
+        + " | counts after ÷ counts ahead | ddp_weighted per repeat |",
+        "|---|---:|---:|" + "---:|" * len(shown) + "---:|---|",
     ]
     for entry in points:
         point = entry["point"]
@@ -108,7 +108,7 @@ def speed_table(points: list[dict[str, Any]], params: dict[str, int]) -> str:
         lines.append(
             f"| {label} | {params[point['size']] / 1e6:.2f}M | {entry['ms']['ddp']:.2f} | "
             + " | ".join(ratio_cell(entry["ratio"][n], n in INTERVALS) if n in entry["ratio"] else "–" for n in shown)
-            + f" | {repeats} |"
+            + f" | {ratio_cell(entry['after_to_ahead'], True) if 'after_to_ahead' in entry else '–'} | {repeats} |"
         )
     return "\n".join(lines)
 

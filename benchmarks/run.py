@@ -157,8 +157,14 @@ def aggregate_times(repeats: list[dict[str, list[float]]]) -> dict[str, Any]:
     per_repeat = [paired_ratios(times) for times in repeats]
     names = list(repeats[0])
     pooled = {name: summary([r for ratios in per_repeat for r in ratios[name]]) for name in names}
+    paths = {}
+    if "ddp_weighted" in names and "ddp_weighted_after" in names:  # counts after ÷ counts ahead, paired per round
+        paths["after_to_ahead"] = summary(
+            [r for times in repeats for r in paired_ratios(times, "ddp_weighted")["ddp_weighted_after"]]
+        )
     return {
         "ratio": pooled,
+        **paths,
         "ratio_per_repeat": {name: [summary(ratios[name])["median"] for ratios in per_repeat] for name in names},
         "ms": {name: summary([t * 1e3 for times in repeats for t in times[name]])["median"] for name in names},
     }

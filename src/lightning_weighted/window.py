@@ -194,7 +194,7 @@ class Window:
         parts = self._device_fields(rank)
         if parts:
             values = torch.stack([part.to(device) for part in parts.values()])
-            vector = vector.index_add(0, _index(tuple(parts), device), values)
+            vector.index_add_(0, _index(tuple(parts), device), values)
         return vector
 
     @property

@@ -47,7 +47,7 @@ def device(value: float, dtype: torch.dtype = torch.int64) -> Tensor:
 def _sum(payloads: list[Tensor], own: int = 0) -> list[float]:
     """What the SUM all-reduce of every rank's float64 payload gives, then rank ``own``'s items (read by the loop)."""
     summed = torch.stack([p.as_subclass(Tensor) for p in payloads]).sum(0)
-    return [*summed.tolist(), float(payloads[own].as_subclass(Tensor)[Slot.ITEMS])]
+    return [*summed.tolist(), float(payloads[own][Slot.ITEMS])]
 
 
 def _gradient(counts: list[list[float]], mean_grads: list[list[float]], ahead: bool, divisor: int) -> float:
@@ -324,12 +324,12 @@ def test_only_the_first_problem_of_a_window_is_reported():
     window.reject(Problem.NEGATIVE, -2.0)
     window.reject(Problem.NOT_A_NUMBER)
     window.add(read_count(device(-5)))
-    fields = window.payload(0, True, CPU).as_subclass(Tensor).tolist()
+    fields = window.payload(0, True, CPU).tolist()
     assert (fields[Slot.INVALID], fields[Slot.CODE], fields[Slot.VALUE]) == (1.0, float(Problem.NEGATIVE), -2.0)
     on_device = Window()
     on_device.add(read_count(device(-5)))
     on_device.add(read_count(device(math.nan, torch.float32)))
-    fields = on_device.payload(0, True, CPU).as_subclass(Tensor).tolist()
+    fields = on_device.payload(0, True, CPU).tolist()
     assert (fields[Slot.INVALID], fields[Slot.CODE], fields[Slot.VALUE]) == (1.0, float(Problem.NEGATIVE), -5.0)
 
 
@@ -342,7 +342,7 @@ def test_a_window_count_reaching_2_to_the_53_is_rejected_rather_than_rounded():
     on_device = Window()
     on_device.add(read_count(device(2**52)))
     on_device.add(read_count(device(2**52)))
-    fields = on_device.payload(0, True, CPU).as_subclass(Tensor).tolist()
+    fields = on_device.payload(0, True, CPU).tolist()
     assert (fields[Slot.CODE], fields[Slot.VALUE]) == (float(Problem.TOO_LARGE), MAX_ITEMS)
 
 
