@@ -26,6 +26,7 @@ class DDPEngine:
         self.needs_graph = False
         self.group: dist.ProcessGroup | None = getattr(ddp, "process_group", None)
         self.divisor = dist.get_world_size(self.group)
+        self._parameters = tuple(ddp.parameters())  # DDP's parameters are fixed once it wraps the model
 
     def empty(self, loss: Tensor | None) -> Tensor:
         """See :func:`zero_loss`."""
@@ -36,7 +37,7 @@ class DDPEngine:
 
     def parameters(self) -> Iterable[Tensor]:
         """The wrapped model's parameters."""
-        return self.ddp.parameters()
+        return self._parameters
 
 
 def zero_loss(loss: Tensor | None, module: nn.Module) -> Tensor:
