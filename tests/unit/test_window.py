@@ -364,3 +364,31 @@ def test_one_problem_on_several_ranks_is_named_and_different_ones_are_counted():
     mixed[2].reject(Problem.NOT_FINITE, math.inf)  # 2, and 1 + 7 = 2 · 4: the squares tell them apart
     with pytest.raises(ValueError, match="on 3 ranks, a microbatch's count or loss is invalid"):
         mixed[0].finish(_sum([w.payload(r, True, CPU) for r, w in enumerate(mixed)]), step=0)
+
+
+def test_the_core_imports_no_integration_and_its_pure_modules_no_lightning():
+    # counts ← window ← ahead, loop ← trainer, fabric: the loop of windows is the same object for both integrations
+    import ast
+    from pathlib import Path
+
+    import lightning_weighted
+
+    root = Path(lightning_weighted.__file__).parent
+    core = [
+        "counts.py",
+        "window.py",
+        "ahead.py",
+        "data.py",
+        "loop.py",
+        *(f"engines/{p.name}" for p in (root / "engines").glob("*.py")),
+    ]
+    for name in core:
+        tree = ast.parse((root / name).read_text())
+        imported = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not {m for m in imported if m.startswith(("lightning_weighted.trainer", "lightning_weighted.fabric"))}, (
+            name
+        )
+        lightning = {m for m in imported if m == "lightning" or m.startswith("lightning.")}
+        allowed = {"lightning.pytorch.utilities"} if name in ("loop.py", "data.py") else set()  # rank_zero_warn
+        assert lightning <= allowed, (name, lightning)
