@@ -55,3 +55,27 @@ def test_no_microbatch_reads_a_device_value_and_each_step_reads_its_payload_once
         assert strategy_reads(rank, "device", ours=True) == Counter()  # no synchronisation inside a window
         steps = len(rank["steps"])
         assert strategy_reads(rank, "other", ours=True) == Counter({step: 1 for step in range(steps)})
+
+
+def test_the_check_fails_where_a_per_microbatch_read_is_put_back():
+    # the control: the same spy and count, in one process; a count read on the host (`host=True`, what the riding
+    # path did with every returned count) is a device read by lightning_weighted, which the test above refuses
+    import torch
+    from reads import DeviceTensor, ReadSpy
+
+    from lightning_weighted.counts import read_count
+    from lightning_weighted.window import Window
+
+    spy = ReadSpy()
+    spy.install()
+    spy.active, spy.mark = True, (0, 0)
+    try:
+        count = torch.tensor(3).as_subclass(DeviceTensor)
+        window = Window()
+        window.add(read_count(count), loss=torch.tensor(1.5).as_subclass(DeviceTensor))
+        window.payload(0, True, torch.device("cpu"))
+        assert strategy_reads({"reads": spy.reads}, "device", ours=True) == Counter()
+        window.add(read_count(count, host=True))
+        assert strategy_reads({"reads": spy.reads}, "device", ours=True) == Counter({0: 1})
+    finally:
+        spy.uninstall()
