@@ -217,6 +217,7 @@ def main() -> None:
         "enable_progress_bar": False,
         "enable_model_summary": False,
         "num_sanity_val_steps": 0,
+        "default_root_dir": str(Path(args.out).parent),  # Lightning's own checkpoints land in the test's folder
     }
     out: dict[str, Any] = {}
     if config.scenario == "logging":
