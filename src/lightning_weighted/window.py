@@ -134,8 +134,10 @@ class Window:
     def _add_tensor(self, n: Tensor, problem: Tensor | None, loss: Tensor | None, item_sum: bool) -> Tensor:
         # Kept as it is: the window's device fields are computed once, by ``payload``, over all its microbatches.
         self._tensors.append((n, problem, None if loss is None else loss.detach(), item_sum))
-        ok = n > 0 if problem is None else (problem == 0) & (n > 0) if item_sum else problem == 0
-        weight = ok.double() if item_sum else torch.where(ok, n, 0.0)  # a bad count's loss: 0
+        if item_sum:  # 1 for a counted microbatch, 0 for an empty one or a bad count
+            weight = (n > 0 if problem is None else (problem == 0) & (n > 0)).double()
+        else:  # n, or 0 for a bad count (a count of 0 is 0 already)
+            weight = torch.where(n > 0 if problem is None else problem == 0, n, 0.0)
         factor = self._factor(weight)
         assert isinstance(factor, Tensor)
         return factor
@@ -228,25 +230,23 @@ class Window:
         fields = dict(self._device)
         if not self._tensors:
             return fields
-        n = torch.stack([count for count, _, _, _ in self._tensors])
+        counts, found, given, sums = zip(*self._tensors, strict=True)
+        n = torch.stack(counts)
         zero = n.new_zeros(())
-        problems = torch.stack([zero if problem is None else problem for _, problem, _, _ in self._tensors])
+        problems = torch.stack([zero if problem is None else problem for problem in found])
         valid = (problems == 0) & (n > 0)
         counted = torch.where(valid, n, 0.0)
         items = counted.sum()
         fields[Slot.ITEMS] = items
-        if any(loss is not None for _, _, loss, _ in self._tensors):
-            losses = torch.stack(
-                [zero if loss is None else loss if loss.dim() == 0 else loss.sum() for _, _, loss, _ in self._tensors]
-            ).double()
-            sums = [item_sum for _, _, _, item_sum in self._tensors]
-            weights = (
-                valid.double()
-                if all(sums)
-                else counted
-                if not any(sums)
-                else torch.where(torch.tensor(sums, device=n.device), valid.double(), counted)
-            )
+        if any(loss is not None for loss in given):
+            losses = torch.stack([zero if loss is None else loss if loss.dim() == 0 else loss.sum() for loss in given])
+            losses = losses.double()
+            if all(sums):  # item sums: each counted microbatch once
+                weights = valid.double()
+            elif not any(sums):  # means: each by its count
+                weights = counted
+            else:
+                weights = torch.where(torch.tensor(sums, device=n.device), valid.double(), counted)
             loss = torch.where(valid, losses * weights, 0.0).sum()  # an inf loss of no count: 0
             fields[Slot.LOSS] = loss if Slot.LOSS not in fields else fields[Slot.LOSS] + loss
             fields[Slot.UNCUT] = (~torch.isfinite(torch.where(valid, 0.0, losses).sum())).double()
