@@ -16,7 +16,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 from reads import ReadSpy, to_device, to_host
@@ -35,7 +34,7 @@ from scenario import (
 )
 from sharded_worker import local, whole
 from torch.utils.data import DataLoader, Dataset, IterableDataset
-from worker import _COLLECTIVES, Recorder, rank_arguments
+from worker import Recorder, rank_arguments
 
 import lightning_weighted
 from lightning_weighted.engines.fsdp2 import shard_blocks
@@ -134,8 +133,7 @@ def main() -> None:
         # the mean over the ranks of an integer: 7 items on rank 0 and none on rank 1 (3.5, not Lightning's floor)
         record["mean_of_ints"] = float(fabric.all_reduce(torch.tensor(7 if rank == 0 else 0), reduce_op="mean"))
         if config.count_collectives:
-            for name in _COLLECTIVES:
-                setattr(dist, name, recorder._counting(name, getattr(dist, name)))
+            recorder.count_collectives()
         for epoch in range(config.epochs):
             if epochs is not None:
                 epochs.epoch = epoch

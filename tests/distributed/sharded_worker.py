@@ -137,24 +137,6 @@ def local(value: Any) -> Any:
 class ShardedRecorder(Recorder):
     """`Recorder` for sharded parameters: whole parameters and gradients, this rank's optimizer state."""
 
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        super().on_train_start(trainer, pl_module)
-        if self.config.count_collectives:  # the engines' own entry points, recorded as `Recorder` names its own
-            for name, alias in (
-                ("reduce_scatter_single", "reduce_scatter_tensor"),
-                ("all_gather_single", "all_gather"),
-            ):
-                self._originals[name] = original = getattr(dist, name)
-                setattr(dist, name, self._by_keyword(alias, original))
-
-    def _by_keyword(self, name: str, original: Any) -> Any:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            tensor = args[0] if args else kwargs["output"]  # the output shard, as `Recorder` records its first tensor
-            self.collectives.append((name, str(tensor.dtype), tensor.numel()))
-            return original(*args, **kwargs)
-
-        return wrapper
-
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         return None
 

@@ -58,12 +58,19 @@ def test_each_window_costs_one_count_reduction_however_it_is_marked(tmp_path, st
     config = FabricConfig(strategy=strategy, accumulate=3, batches=7, marking=marking, count_collectives=True)
     result = fabric_fit(config, tmp_path)
     assert max_relative_error(result[0]["params"], reference(config)["params"]) < 1e-5
+    payload = ("all_reduce", "torch.float64", 10)
     for rank in result:
-        # the window's payload, 10 float64 values, once per window (of 3, 3 and 1 microbatches); DDP's buckets
-        # are reduced in C++, unseen here, and FSDP2's reduce-scatters are not all-reduces
+        # the window's payload, 10 float64 values, once per window (of 3, 3 and 1 microbatches), each before its
+        # optimizer step; DDP's buckets are reduced in C++, unseen here
         ours = [c for c in rank["collectives"] if c[0] == "all_reduce"]
-        assert ours == [("all_reduce", "torch.float64", 10)] * 3
-        assert [s["collectives"] for s in rank["steps"]] == [1, 2, 3]
+        assert ours == [payload] * 3
+        assert [rank["collectives"][: s["collectives"]].count(payload) for s in rank["steps"]] == [1, 2, 3]
+        # FSDP2's own traffic is seen, whatever this torch calls it (`reduce_scatter_single` from torch 2.13): one
+        # reduce-scatter per FSDP unit (the 2 Linear layers) and microbatch, every microbatch (7)
+        scatters = [c for c in rank["collectives"] if c[0] == "reduce_scatter_tensor"]
+        gathers = [c for c in rank["collectives"] if c[0] == "all_gather_into_tensor"]
+        assert len(scatters) == (2 * 7 if strategy == "fsdp2_weighted" else 0)
+        assert (len(gathers) > 0) == (strategy == "fsdp2_weighted")
 
 
 @pytest.mark.parametrize("strategy", ENGINES)

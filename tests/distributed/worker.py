@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import inspect
 import json
 import signal
+import types
 from datetime import timedelta
 from typing import Any
 
@@ -23,7 +25,25 @@ from scenario import Config, WeightedModule
 
 import lightning_weighted
 
-_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "barrier", "reduce_scatter_tensor")
+# A newer name of an older collective is recorded under the older one, so that a record reads the same on every torch
+# (FSDP2 reduce-scatters and all-gathers through the `*_single` names from torch 2.13, the `*_tensor` ones before).
+ALIASES = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
+
+
+def collectives() -> dict[str, Any]:
+    """Every public collective of ``torch.distributed`` on this torch: each function that takes ``async_op``.
+
+    Found by signature rather than listed by name, so that a collective a new torch adds is counted as well. The
+    object collectives (``broadcast_object_list``, ...) and point-to-point calls take no ``async_op``; the former run
+    a tensor collective inside torch, through its own module's names, which stay unwrapped (nothing counted twice).
+    """
+    return {
+        name: value
+        for name, value in vars(dist).items()
+        if not name.startswith("_")
+        and type(value) is types.FunctionType  # not isinstance: a deprecated alias warns when its class is read
+        and "async_op" in inspect.signature(value).parameters
+    }
 
 
 class Recorder(Callback):
@@ -47,13 +67,20 @@ class Recorder(Callback):
         if self.config.join:
             trainer.strategy.model.join().__enter__()  # as a user wrapping the loop in `ddp.join()` would
         if self.config.count_collectives:
-            for name in _COLLECTIVES:
-                self._originals[name] = original = getattr(dist, name)
-                setattr(dist, name, self._counting(name, original))
+            self.count_collectives()
+
+    def count_collectives(self) -> None:
+        """Records every collective called through ``torch.distributed`` from now on (see :func:`collectives`)."""
+        for name, original in collectives().items():
+            self._originals[name] = original
+            setattr(dist, name, self._counting(ALIASES.get(name, name), original))
 
     def _counting(self, name: str, original: Any) -> Any:
+        first = next(iter(inspect.signature(original).parameters))  # a tensor (the output where there are two)
+
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            value = args[0] if args else kwargs.get(first)
+            tensor = value if isinstance(value, torch.Tensor) else None
             dtype = str(tensor.dtype) if tensor is not None else ""
             self.collectives.append((name, dtype, tensor.numel() if tensor is not None else 0))
             return original(*args, **kwargs)
