@@ -3,8 +3,11 @@
 Beyond these, one protected method of Lightning's is overridden, as Lightning's own subclasses do and where no
 public hook sits: ``FSDPStrategy._setup_model``, to wrap a module on the CPU (``trainer/fsdp1.py``).
 
-Each entry says why no public API serves and the versions it was checked on (Lightning 2.6.5-2.6.6, torch 2.9-2.13);
-``tests/unit/test_compat.py`` pins each one, so a release that moves it fails there with the entry's name.
+Each entry says why no public API serves; every one was checked on Lightning 2.6.0 and 2.6.6 with torch 2.9.0, 2.13.0
+and 2.15.0, the versions CI runs (``.ci/run``, ``.ci/versions``). Where torch moved a symbol between those releases,
+the entry branches here, and only here, on :data:`TORCH`, each branch naming the releases it serves.
+``tests/unit/test_compat.py`` pins each entry and each branch on whatever torch is installed (a branch for other
+releases is skipped there with the reason), so a release that moves one fails there with the entry's name.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ __all__ = [
     "forward_redirection",
     "fsdp1_options",
     "fsdp2_param_groups",
+    "fsdp2_policies",
     "fsdp_setup_helpers",
     "join_enabled",
     "metric_restore",
@@ -45,6 +49,7 @@ __all__ = [
     "rebuild_loader",
     "reduce_scatter",
     "register",
+    "require_torch",
     "restore",
     "set_backward_sync_control",
     "set_parallel_sizes",
@@ -52,6 +57,28 @@ __all__ = [
     "silenced",
     "unfloored",
 ]
+
+# The installed torch's (major, minor): the releases each version branch below serves are named by it.
+TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
+# FSDP2's engine calls public `FSDPModule` methods that torch added up to 2.9: `set_all_reduce_hook` (2.7),
+# `set_gradient_divide_factor` and `set_force_sum_reduction_for_comms` (2.8), `set_custom_reduce_scatter` (2.9).
+FSDP2_TORCH = (2, 9)
+
+
+def require_torch(minimum: tuple[int, int], what: str) -> None:
+    """Raises unless the installed torch is at least ``minimum``, naming both versions and the fix.
+
+    Raises:
+        RuntimeError: the installed torch is older than ``minimum``.
+    """
+    if minimum > TORCH:
+        needed = ".".join(map(str, minimum))
+        raise RuntimeError(
+            f"{what} needs torch>={needed}, and torch {torch.__version__} is installed. Upgrade torch:"
+            f" `pip install 'torch>={needed}'` (README, Supported versions)."
+        )
+
 
 # The registry type of `register_strategies(cls, registry)`, which Lightning's own strategies annotate with it.
 StrategyRegistry = _StrategyRegistry
@@ -149,9 +176,26 @@ def flatten_mesh(mesh: Any, names: tuple[str, ...]) -> Any:
 
 
 def fsdp2_param_groups(module: nn.Module) -> list[Any]:
-    """An FSDP2 module's parameter groups: its mixed-precision policy and mesh, which no public attribute exposes."""
-    groups: list[Any] = module._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
+    """An FSDP2 module's parameter groups: their parameters, policies and mesh, which no public attribute exposes."""
+    state: Any = module._get_fsdp_state()  # type: ignore[operator]
+    if TORCH < (2, 12):  # torch 2.9-2.11: one group per module, None without parameters
+        group = state._fsdp_param_group
+        return [] if group is None else [group]
+    groups: list[Any] = state._fsdp_param_groups  # torch 2.12 on: a list (`fully_shard` of several modules at once)
     return groups
+
+
+def fsdp2_policies(group: Any) -> list[Any]:
+    """The ``MixedPrecisionPolicy`` each parameter of an FSDP2 parameter group computes and reduces under.
+
+    Up to torch 2.14 the group's one policy; from 2.15 each parameter's own (``FSDPParam.mp_policy``), which
+    ``param_dtype_override_fn`` may resolve differently per parameter. (2.15 also reduces in the gradient's dtype
+    where ``reduce_dtype`` is None, no longer in ``param_dtype``; either way no float16 reaches a reduction unless
+    a policy or a parameter names it, which is what the engine checks.)
+    """
+    if TORCH < (2, 15):  # torch 2.9-2.14
+        return [group.mp_policy]
+    return [param.mp_policy for param in group.fsdp_params]  # torch 2.15 on
 
 
 def flat_parameters(module: nn.Module) -> list[Tensor]:
@@ -171,10 +215,9 @@ def fsdp_setup_helpers() -> tuple[Callable[..., Any], Callable[..., Any]]:
 
 def reduce_scatter(output: Tensor, source: Tensor, group: Any, op: Any, async_op: bool = False) -> Any:
     """A reduce-scatter of ``source`` into ``output`` by the name this torch prefers (2.13 deprecates the old one)."""
-    single = getattr(dist, "reduce_scatter_single", None)
-    if single is not None:
-        return single(output=output, input=source, op=op, group=group, async_op=async_op)
-    return dist.reduce_scatter_tensor(output, source, op=op, group=group, async_op=async_op)
+    if TORCH >= (2, 13):  # torch 2.13 on: `reduce_scatter_single`, as FSDP2's own reduce-scatter calls it
+        return dist.reduce_scatter_single(output=output, input=source, op=op, group=group, async_op=async_op)
+    return dist.reduce_scatter_tensor(output, source, op=op, group=group, async_op=async_op)  # torch 2.9-2.12
 
 
 @contextlib.contextmanager

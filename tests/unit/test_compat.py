@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -640,6 +641,9 @@ def test_reduce_scatter_sums_into_the_output_synchronously_and_asynchronously(on
     single = getattr(dist, "reduce_scatter_single", None)
     tensor = getattr(dist, "reduce_scatter_tensor", None)
     pinned("reduce_scatter", single or tensor, "torch.distributed.reduce_scatter_single/reduce_scatter_tensor")
+    # the branch of torch 2.13 on calls the newer name, the one of 2.9-2.12 the older
+    newer = _compat.TORCH < (2, 13) or single is not None
+    pinned("reduce_scatter", newer, "torch.distributed.reduce_scatter_single", "it is gone")
     for name, function in [("reduce_scatter_single", single), ("reduce_scatter_tensor", tensor)]:
         if function is not None:  # called by keyword (the first) or by position (the second)
             takes("reduce_scatter", function, ["output", "input", "op", "group", "async_op"], f"dist.{name}")
@@ -667,21 +671,42 @@ def test_flatten_mesh_gives_one_dimension_over_several_of_a_device_mesh(one_rank
     pinned("flatten_mesh", dist.get_world_size(group) == 1, "DeviceMesh._flatten", "its group")
 
 
-@pins("fsdp2_param_groups")
-def test_fsdp2_param_groups_exposes_each_groups_policy_and_mesh_info(one_rank: None) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+def before(release: tuple[int, int]) -> pytest.MarkDecorator:
+    """Skips a test of a version branch for torch older than ``release`` where the installed torch is not."""
+    needed = ".".join(map(str, release))
+    return pytest.mark.skipif(release <= _compat.TORCH, reason=f"a branch for torch < {needed}; {VERSIONS}")
 
-    symbol = "FSDPModule._get_fsdp_state()._fsdp_param_groups"
-    attribute("fsdp2_param_groups", FSDPModule, "_get_fsdp_state", "torch.distributed.fsdp.FSDPModule")
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+def since(release: tuple[int, int]) -> pytest.MarkDecorator:
+    """Skips a test of a version branch for torch ``release`` and later where the installed torch is older."""
+    needed = ".".join(map(str, release))
+    return pytest.mark.skipif(release > _compat.TORCH, reason=f"a branch for torch >= {needed}; {VERSIONS}")
+
+
+def fsdp2_linear(**kwargs: Any) -> nn.Module:
+    """An ``nn.Linear(2, 2)`` sharded by FSDP2 over a one-rank mesh (``kwargs`` go to ``fully_shard``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
     module = nn.Linear(2, 2)
-    fully_shard(module, mesh=init_device_mesh("cpu", (1,)), mp_policy=policy)
+    fully_shard(module, mesh=init_device_mesh("cpu", (1,)), **kwargs)
+    return module
+
+
+@pins("fsdp2_param_groups")
+def test_fsdp2_param_groups_exposes_each_groups_parameters_and_mesh_info(one_rank: None) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    symbol = "FSDPModule._get_fsdp_state()._fsdp_param_group(s)"
+    attribute("fsdp2_param_groups", FSDPModule, "_get_fsdp_state", "torch.distributed.fsdp.FSDPModule")
+    module = fsdp2_linear()
     with exercising("fsdp2_param_groups", symbol):
         groups = _compat.fsdp2_param_groups(module)
     pinned("fsdp2_param_groups", isinstance(groups, list) and len(groups) == 1, symbol, f"gave {groups!r}")
     group = groups[0]
-    pinned("fsdp2_param_groups", getattr(group, "mp_policy", None) == policy, f"{symbol}[i].mp_policy")
+    params = [param.sharded_param for param in attribute("fsdp2_param_groups", group, "fsdp_params", symbol)]
+    pinned("fsdp2_param_groups", params == list(module.parameters()), f"{symbol}[i].fsdp_params")
     mesh_info = attribute("fsdp2_param_groups", group, "mesh_info", symbol)
     # `engines/fsdp2.py` reads these through getattr with a default of 1: they must be there to mean anything.
     pinned("fsdp2_param_groups", getattr(mesh_info, "shard_mesh_size", None) == 1, f"{symbol}[i].mesh_info")
@@ -695,6 +720,83 @@ def test_fsdp2_param_groups_exposes_each_groups_policy_and_mesh_info(one_rank: N
     empty = nn.Sequential(nn.ReLU())
     fully_shard(empty, mesh=init_device_mesh("cpu", (1,)))
     pinned("fsdp2_param_groups", _compat.fsdp2_param_groups(empty) == [], symbol, "a module without parameters")
+
+
+@pins("fsdp2_param_groups")
+@before((2, 12))
+def test_fsdp2_param_groups_before_torch_2_12_is_the_states_one_group(one_rank: None) -> None:
+    state = fsdp2_linear()._get_fsdp_state()
+    symbol = "FSDPState._fsdp_param_group"
+    pinned("fsdp2_param_groups", not hasattr(state, "_fsdp_param_groups"), "FSDPState._fsdp_param_groups", "is here")
+    group = attribute("fsdp2_param_groups", state, "_fsdp_param_group", "FSDPState")
+    pinned("fsdp2_param_groups", group is not None, symbol, "None for a module with parameters")
+
+
+@pins("fsdp2_param_groups")
+@since((2, 12))
+def test_fsdp2_param_groups_from_torch_2_12_is_the_states_list_of_groups(one_rank: None) -> None:
+    state = fsdp2_linear()._get_fsdp_state()
+    groups = attribute("fsdp2_param_groups", state, "_fsdp_param_groups", "FSDPState")
+    pinned("fsdp2_param_groups", isinstance(groups, list) and len(groups) == 1, "FSDPState._fsdp_param_groups")
+
+
+@pins("fsdp2_policies")
+@before((2, 15))
+def test_fsdp2_policies_before_torch_2_15_are_the_groups_one_policy(one_rank: None) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    group = _compat.fsdp2_param_groups(fsdp2_linear(mp_policy=policy))[0]
+    attribute("fsdp2_policies", group, "mp_policy", "FSDPParamGroup")
+    with exercising("fsdp2_policies", "FSDPParamGroup.mp_policy"):
+        policies = _compat.fsdp2_policies(group)
+    pinned("fsdp2_policies", policies == [policy], "FSDPParamGroup.mp_policy", f"gave {policies}")
+
+
+@pins("fsdp2_policies")
+@since((2, 15))
+def test_fsdp2_policies_from_torch_2_15_are_each_parameters_resolved_policy(one_rank: None) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    # 2.15 moved the policy from the group to each parameter: the bias keeps its float32 here, the weight does not
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+        param_dtype_override_fn=lambda param: torch.float32 if param.ndim == 1 else None,
+    )
+    group = _compat.fsdp2_param_groups(fsdp2_linear(mp_policy=policy))[0]
+    pinned("fsdp2_policies", not hasattr(group, "mp_policy"), "FSDPParamGroup.mp_policy", "is back: a group policy")
+    with exercising("fsdp2_policies", "FSDPParam.mp_policy"):
+        policies = _compat.fsdp2_policies(group)
+    dtypes = [(p.param_dtype, p.reduce_dtype, p.param_dtype_override_fn) for p in policies]
+    expected = [(torch.bfloat16, torch.float32, None), (torch.float32, torch.float32, None)]  # weight, bias
+    pinned("fsdp2_policies", dtypes == expected, "FSDPParam.mp_policy", f"gave {dtypes}")
+
+
+@pins("require_torch")
+def test_require_torch_names_the_installed_and_the_needed_torch_and_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    _compat.require_torch(_compat.TORCH, "anything")  # the installed torch meets itself
+    installed = torch.__version__
+    monkeypatch.setattr(_compat, "TORCH", (2, 8))
+    with pytest.raises(RuntimeError, match=rf"fsdp2 needs torch>=2\.9, and torch {re.escape(installed)} is installed"):
+        _compat.require_torch((2, 9), "fsdp2")
+    with pytest.raises(RuntimeError, match=r"Upgrade torch: `pip install 'torch>=2\.9'`"):
+        _compat.require_torch((2, 9), "fsdp2")
+
+
+@pins("require_torch")
+def test_the_fsdp2_floor_is_the_first_torch_with_every_public_fsdp2_method_the_engine_calls() -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    from lightning_weighted.engines import fsdp2
+
+    engine = inspect.getsource(fsdp2)
+    called = {"set_all_reduce_hook", "set_gradient_divide_factor", "set_force_sum_reduction_for_comms"}
+    called.add("set_custom_reduce_scatter")  # the latest of them: torch 2.9
+    assert all(f"fsdp.{name}(" in engine for name in called)
+    missing = sorted(name for name in called if not hasattr(FSDPModule, name))
+    pinned("require_torch", not missing, "FSDPModule", f"lacks {missing} on the installed torch")
+    assert _compat.TORCH >= _compat.FSDP2_TORCH == (2, 9)
 
 
 @pins("flat_parameters")

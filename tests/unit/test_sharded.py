@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import re
 
 import pytest
 import torch
@@ -77,6 +78,16 @@ def test_a_float16_policy_is_refused_with_the_fix(one_rank):
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float16)
     with pytest.raises(ValueError, match=r"module '\(the root\)' computes or reduces .* float16.*bfloat16 or float32"):
         FSDP2Engine(_sharded(policy), None)
+
+
+def test_a_torch_older_than_fsdp2s_floor_is_refused_naming_both_versions(one_rank, monkeypatch):
+    from lightning_weighted import _compat
+
+    model = _sharded()  # `fully_shard` itself is there from torch 2.6; what the engine calls next is not
+    monkeypatch.setattr(_compat, "TORCH", (2, 8))
+    installed = re.escape(torch.__version__)
+    with pytest.raises(RuntimeError, match=rf"'fsdp2_weighted' needs torch>=2\.9, and torch {installed} is installed"):
+        FSDP2Engine(model, None)
 
 
 def test_on_one_rank_gradients_are_item_sums_and_an_empty_microbatch_contributes_exact_zeros(one_rank):

@@ -18,10 +18,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_weighted._compat import (
+    FSDP2_TORCH,
     flatten_mesh,
     fsdp2_param_groups,
+    fsdp2_policies,
     parallel_sizes,
     reduce_scatter,
+    require_torch,
     set_parallel_sizes,
 )
 
@@ -43,6 +46,7 @@ class FSDP2Engine:
         group: the data-parallel group the window's counts are summed over.
 
     Raises:
+        RuntimeError: the installed torch is older than 2.9, which lacks FSDP2 methods the engine calls.
         ValueError: a trainable parameter is not sharded (its gradient would not be reduced), a module computes
             or reduces in fp16 (item sums overflow it), or a module replicates without sharding (HSDP with a shard
             dimension of size 1), whose reduction the zeroing cannot reach.
@@ -53,6 +57,7 @@ class FSDP2Engine:
     needs_graph = True  # every backward runs the collectives of the sharded model
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None) -> None:
+        require_torch(FSDP2_TORCH, "strategy='fsdp2_weighted'")
         from torch.distributed.fsdp import FSDPModule
 
         self.module, self.group = module, group
@@ -68,7 +73,7 @@ class FSDP2Engine:
         for fsdp in modules:
             groups = fsdp2_param_groups(fsdp)
             for param_group in groups:
-                _check_dtypes(names[fsdp] or "(the root)", fsdp, param_group)
+                _check_dtypes(names[fsdp] or "(the root)", fsdp, fsdp2_policies(param_group))
             fsdp.set_gradient_divide_factor(1.0)
             fsdp.set_force_sum_reduction_for_comms(True)
             if groups:
@@ -189,11 +194,13 @@ def _check_sharded(module: nn.Module) -> None:
         )
 
 
-def _check_dtypes(name: str, fsdp: nn.Module, group: Any) -> None:
-    policy = group.mp_policy
+def _check_dtypes(name: str, fsdp: nn.Module, policies: list[Any]) -> None:
     dtypes = {param.dtype for param in fsdp.parameters() if param.requires_grad}
-    if torch.float16 in (policy.reduce_dtype, policy.param_dtype, *dtypes):
-        raise ValueError(f"FSDP2 module {name!r} computes or reduces its gradients in float16: {policy}. {FP16_FIX}.")
+    for policy in policies:
+        if torch.float16 in (policy.reduce_dtype, policy.param_dtype, *dtypes):
+            raise ValueError(
+                f"FSDP2 module {name!r} computes or reduces its gradients in float16: {policy}. {FP16_FIX}."
+            )
 
 
 def _shards_over_one_rank(group: Any) -> bool:
