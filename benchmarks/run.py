@@ -1,250 +1,104 @@
-"""Benchmarks ddp_weighted side by side with plain DDP and the anchors' mechanisms.
+"""Benchmarks ddp_weighted side by side with plain DDP, the anchors' mechanisms and the sharded strategies.
 
-Runs, on 2 gloo ranks of this machine, each level in fresh processes under a hard timeout:
+    python benchmarks/run.py                        # the 2-rank tables, RESULTS.md (≈ 35 min on 2 cores)
+    python benchmarks/run.py --quick --out /tmp/b   # the same on a tiny grid (≈ 1 min)
+    python benchmarks/run.py overhead               # host time per step on one rank, µs beyond plain DDP
+    python benchmarks/run.py instructions           # instructions per step under callgrind, beyond plain DDP
 
-- ``raw``: raw ``DistributedDataParallel`` optimizer steps (``raw_step.py``): plain DDP, an A-vs-A control
-  (a second plain DDP), ddp_weighted with counts ahead and with counts after (the package's window loop over
-  DDP's own reducer, one float64 payload all-reduce per step), counts ahead with the window's payload carried in
-  DDP's bucket instead (the carrier ablation, ``carrier.py``), post-hoc and pre-count normalisation
-  (``anchors.py``), over parameters × accumulation × gradient dtype, repeated ``--repeats`` times, the ranks
-  started by ``torch.distributed.run`` under a hard timeout;
-- ``ablation``: the pieces of counts ahead's cost, each added to plain DDP alone;
-- ``sweep``: one rank holding 0/25/50 % fewer microbatches per epoch, padded with zero-count microbatches;
-- ``trainer``: the same variants as whole Lightning ``Trainer`` fits (``trainer_step.py``);
-- ``memory``: one process group per variant, peak resident memory growth over a few steps;
-- ``sharded``: fsdp2_weighted and fsdp_weighted beside plain FSDP2 and FSDP1 (``sharded_step.py``).
+The default command runs, on 2 gloo ranks of this machine, each level in fresh processes under a hard timeout,
+every variant of a level in the same rounds (one optimizer step each per round, shuffled order, paired ratios):
 
-Then writes ``RESULTS.md``, ``results.png`` and ``results.json`` into ``--out``.
+- ``raw``: raw ``DistributedDataParallel`` steps (``steps.py``): plain DDP, an A-vs-A control, ddp_weighted with
+  counts ahead and counts after (the package's window loop over DDP's own reducer), post-hoc and pre-count;
+  also the payload all-reduce's time on this loopback;
+- ``trainer``: the same as whole Lightning ``Trainer`` fits (``fits.py``);
+- ``sharded``: fsdp2_weighted and fsdp_weighted, counts ahead and after, beside plain FSDP2 and FSDP1.
 
-    python benchmarks/run.py                       # the full run (≈ 35 min on 2 cores)
-    python benchmarks/run.py --quick --out /tmp/b  # the smoke test's tiny grid (≈ 30 s)
+Each level also checks every variant against a float64 single-process reference and counts its collectives. Then
+it writes ``results.json`` and ``RESULTS.md`` into ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import ctypes
 import datetime
+import gc
 import json
+import os
 import platform
+import re
 import shlex
+import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import sharded_step
-from common import HERE, Point, launch, paired_ratios, parameter_count, summary
+from common import HERE, Point, launch, parameter_count, pool
 
-ABLATION_VARIANTS = [
-    "ddp",
-    "ddp_control",
-    "scale_only",
-    "carrier_fixed",
-    "ddp_weighted_carrier",
-    "ddp_weighted",
-    "py_allreduce_hook",
-    "ddp_weighted_after",
-]
+RAW = ["ddp", "ddp_control", "ddp_weighted", "ddp_weighted_after", "post_hoc", "pre_count"]
+SHARDED = ["fsdp2", "fsdp2_control", "fsdp2_weighted", "fsdp2_weighted_ahead", "fsdp", "fsdp_weighted"]
+SHARDED += ["fsdp_weighted_ahead"]
+PAIRS = {name: (name, "ddp") for name in [*RAW, "ddp_callback"]}  # label -> (variant, the one it is divided by)
+PAIRS |= {"after_to_ahead": ("ddp_weighted_after", "ddp_weighted")}
+PAIRS |= {name: (name, name.split("_")[0]) for name in SHARDED}
+LEVELS = {"raw": ("raw", RAW), "trainer": ("fits", [*RAW, "ddp_callback"]), "sharded": ("fits", SHARDED)}
 
 
-def plan(args: argparse.Namespace) -> dict[str, Any]:
-    """The grid: lists of `Point`s per level."""
+def grid(args: argparse.Namespace) -> dict[str, list[Point]]:
+    """Each level's points."""
     if args.quick:
-        sizes, accumulate, dtypes = ["tiny"], [1, 2], ["fp32"]
-        rounds = {"tiny": args.rounds}
-        trainer_sizes = sizes
-        sweep = dict(size="tiny", accumulate=2, dtype="fp32", epoch_steps=2, rounds=args.rounds, warmup=1)
-        memory = Point("tiny", 2, "fp32", 3, 0)
-        ablation = [Point("tiny", 1, "fp32", args.rounds, args.warmup)]
-    else:
-        sizes, accumulate, dtypes = args.sizes.split(","), [1, 4], args.dtypes.split(",")
-        rounds = {"0.2M": 2 * args.rounds, "2M": args.rounds, "20M": args.rounds_20m}
-        trainer_sizes = sizes
-        sweep = dict(size="2M", accumulate=4, dtype="fp32", epoch_steps=2, rounds=args.sweep_rounds, warmup=1)
-        memory = Point("20M", 4, "fp32", 4, 0)
-        ablation = [Point(s, a, "fp32", args.ablation_rounds, args.warmup) for s in ("0.2M", "2M") for a in (1, 4)]
-
-    def points(chosen: list[str]) -> list[Point]:
-        return [
-            Point(size, a, dtype, rounds[size], args.warmup if size != "20M" else max(2, args.warmup // 2))
-            for size in chosen
-            for a in accumulate
-            for dtype in dtypes
-        ]
-
-    sweeps = [{**sweep, "imbalance": s} for s in (0.0, 0.25, 0.5)]
-    grid = {"raw": points(sizes), "trainer": points(trainer_sizes), "sweep": sweeps, "memory": memory}
-    return {**grid, "ablation": ablation, "sharded": sharded_step.points(args)}
+        return {level: [Point("tiny", a, "fp32", args.rounds, args.warmup) for a in (1, 2)] for level in LEVELS}
+    rounds = {"0.2M": 2 * args.rounds, "2M": args.rounds, "20M": args.rounds_20m}
+    warm = {"0.2M": args.warmup, "2M": args.warmup, "20M": max(2, args.warmup // 2)}
+    points = [
+        Point(s, a, d, rounds[s], warm[s])
+        for s in args.sizes.split(",")
+        for a in (1, 4)
+        for d in args.dtypes.split(",")
+    ]
+    sharded = [Point(s, a, "fp32", args.rounds, max(args.warmup, 2)) for s in ("0.2M", "2M") for a in (1, 4)]
+    return {"raw": points, "trainer": points, "sharded": sharded}
 
 
-def run_levels(args: argparse.Namespace, grid: dict[str, Any]) -> dict[str, Any]:
-    results: dict[str, Any] = {"raw": [], "trainer": [], "memory": [], "probe": None, "seconds": {}, "sharded": []}
-    scratch = Path(tempfile.mkdtemp(prefix="bench-"))
-    levels = set(args.levels.split(","))
+def measure(args: argparse.Namespace) -> None:
+    """The default command: every level, ``--repeats`` times, then results.json and RESULTS.md."""
+    from report import write_report
 
-    def timed(level: str, script: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
-        out = scratch / f"{level}-{time.monotonic_ns()}.json"
-        start = time.monotonic()
-        output = launch(HERE / script, ["--spec", json.dumps(spec), "--out", str(out)], 2, timeout)
-        results["seconds"][level] = results["seconds"].get(level, 0.0) + time.monotonic() - start
-        if args.verbose:
-            print(output[-4000:], flush=True)
-        data: dict[str, Any] = json.loads(out.read_text())
-        out.unlink()
-        return data
-
-    for repeat in range(args.repeats):
-        if levels & {"raw", "sweep", "ablation"}:
-            spec = {
-                "probe": repeat == 0,
-                "points": [dataclasses.asdict(p) for p in grid["raw"]] if "raw" in levels else [],
-                "sweep": grid["sweep"] if "sweep" in levels else [],
-                "ablation": [dataclasses.asdict(p) for p in grid["ablation"]] if "ablation" in levels else [],
-                "ablation_variants": ABLATION_VARIANTS,
-                "correctness": repeat == 0,  # the data are the same in every repeat
-                "timeout": args.pg_timeout,
-            }
-            data = timed("raw", "raw_step.py", spec, args.timeout)
-            results["probe"] = results["probe"] or data["probe"]
-            results["raw"].append({"points": data["points"], "sweep": data["sweep"], "ablation": data["ablation"]})
-            _progress(f"raw repeat {repeat}", results, args.out)
-        if "trainer" in levels:
-            spec = {
-                "points": [dataclasses.asdict(p) for p in grid["trainer"]],
-                "correctness": repeat == 0,
-                "timeout": args.pg_timeout,
-            }
-            results["trainer"].append(timed("trainer", "trainer_step.py", spec, args.timeout)["points"])
-            _progress(f"trainer repeat {repeat}", results, args.out)
-        if "sharded" in levels:
-            spec = sharded_step.spec(grid["sharded"], repeat, args)
-            results["sharded"].append(timed("sharded", "sharded_step.py", spec, args.timeout)["points"])
-            _progress(f"sharded repeat {repeat}", results, args.out)
-    if {"sharded", "memory"} <= levels:
-        results["sharded_memory"] = [
-            timed("sharded", "sharded_step.py", spec, args.timeout)["memory"]
-            for spec in sharded_step.memory_specs(grid["sharded"], args)
-        ]
-    if "memory" in levels:
-        for variant in ("ddp", "ddp_weighted", "ddp_weighted_carrier", "ddp_weighted_after", "post_hoc", "pre_count"):
-            spec = {
-                "memory": {"point": dataclasses.asdict(grid["memory"]), "variant": variant},
-                "timeout": args.pg_timeout,
-            }
-            results["memory"].append(timed("memory", "raw_step.py", spec, args.timeout)["memory"])
-        _progress("memory", results, args.out)
-    return results
-
-
-def _progress(what: str, results: dict[str, Any], out: Path) -> None:
-    """Reports a finished part of the run, and keeps what has been measured so far where a later failure leaves it."""
-    (out / "partial.json").write_text(json.dumps(results))
-    print(
-        f"[run.py] {what} done; seconds so far: " + ", ".join(f"{k} {v:.0f}" for k, v in results["seconds"].items()),
-        flush=True,
-    )
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Aggregation
-
-
-def aggregate_times(repeats: list[dict[str, list[float]]]) -> dict[str, Any]:
-    """Paired ratios to plain DDP per repeat and pooled; the median step time of each variant."""
-    per_repeat = [paired_ratios(times) for times in repeats]
-    names = list(repeats[0])
-    pooled = {name: summary([r for ratios in per_repeat for r in ratios[name]]) for name in names}
-    paths = {}
-    if "ddp_weighted" in names and "ddp_weighted_after" in names:  # counts after ÷ counts ahead, paired per round
-        paths["after_to_ahead"] = summary(
-            [r for times in repeats for r in paired_ratios(times, "ddp_weighted")["ddp_weighted_after"]]
-        )
-    return {
-        "ratio": pooled,
-        **paths,
-        "ratio_per_repeat": {name: [summary(ratios[name])["median"] for ratios in per_repeat] for name in names},
-        "ms": {name: summary([t * 1e3 for times in repeats for t in times[name]])["median"] for name in names},
-    }
-
-
-def pool(repeats: Sequence[Sequence[dict[str, Any]]], keep: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """One entry per grid point: the times pooled over the repeats, the first repeat's correctness columns and
-    its ``keep`` fields (deterministic, so the same in every repeat)."""
-    pooled = []
-    for entries in zip(*repeats, strict=True):
-        first = entries[0]
-        pooled.append(
-            {
-                "point": first["point"],
-                **{key: first[key] for key in keep},
-                **aggregate_times([entry["times"] for entry in entries]),
-                "deviation": first.get("deviation"),
-                "gradient_deviation": first.get("gradient_deviation"),
-            }
-        )
-    return pooled
-
-
-def aggregate(results: dict[str, Any]) -> dict[str, Any]:
-    raw_points = pool([r["points"] for r in results["raw"]], keep=("collectives", "buckets"))
-    sweep = pool([r["sweep"] for r in results["raw"]], keep=("imbalance", "epoch_steps"))
-    base = {name: s["ms"][name] for s in sweep if s["imbalance"] == 0 for name in s["ms"]}
-    for s in sweep:
-        s["vs_largest_shard"] = {name: s["ms"][name] / base[name] for name in s["ms"]} if base else {}
-    ablation = pool([r["ablation"] for r in results["raw"]])
-    trainer = pool(results["trainer"], keep=("collectives", "buckets"))
-    return {
-        "raw": raw_points,
-        "sweep": sweep,
-        "ablation": ablation,
-        "trainer": trainer,
-        "memory": results["memory"],
-        "sharded": sharded_step.pool(results["sharded"]) if results["sharded"] else [],
-        "sharded_memory": results.get("sharded_memory", []),
-        "probe": results["probe"],
-        "seconds": results["seconds"],
-    }
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Report
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny grid, few rounds (the smoke test)")
-    parser.add_argument("--repeats", type=int, default=2, help="independent process groups per level")
-    parser.add_argument("--rounds", type=int, default=150, help="timed rounds per grid point (2M; 0.2M: twice)")
-    parser.add_argument("--rounds-20m", type=int, default=12, help="timed rounds for the 20M points")
-    parser.add_argument("--sweep-rounds", type=int, default=8, help="timed epochs per imbalance")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed rounds first (20M: half)")
-    parser.add_argument("--ablation-rounds", type=int, default=150, help="timed rounds of the cost ablation")
-    parser.add_argument("--levels", default="raw,sweep,ablation,trainer,memory,sharded")
-    parser.add_argument("--sizes", default="0.2M,2M,20M", help="the raw and Trainer grids' model sizes")
-    parser.add_argument("--dtypes", default="fp32,bf16", help="the raw and Trainer grids' gradient dtypes")
-    parser.add_argument("--out", type=Path, default=HERE, help="where RESULTS.md, results.png, results.json go")
-    parser.add_argument("--timeout", type=float, default=900, help="hard timeout of one launch (s)")
-    parser.add_argument("--pg-timeout", type=float, default=180, help="gloo process-group timeout (s)")
-    parser.add_argument("--no-report", action="store_true", help="write results.json only")
-    parser.add_argument("--verbose", action="store_true")
-    args = parser.parse_args()
     if args.quick:
         args.rounds, args.warmup, args.repeats = min(args.rounds, 4), min(args.warmup, 2), min(args.repeats, 1)
     args.out.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
-    grid = plan(args)
-    results = run_levels(args, grid)
-    summary_data = aggregate(results)
-    summary_data["meta"] = meta(args, time.monotonic() - started)
-    (args.out / "results.json").write_text(json.dumps(summary_data, indent=1))
-    (args.out / "partial.json").unlink(missing_ok=True)
-    if not args.no_report:
-        from report import write_report
-
-        write_report(summary_data, args.out)
+    started, points = time.monotonic(), grid(args)
+    runs: dict[str, list[Any]] = {level: [] for level in args.levels.split(",")}
+    seconds: dict[str, float] = {}
+    probe = None
+    with tempfile.TemporaryDirectory(prefix="bench-") as scratch:
+        for repeat in range(args.repeats):
+            for level in runs:
+                kind, names = LEVELS[level]
+                out = Path(scratch) / f"{level}-{repeat}.json"
+                spec = {"kind": kind, "names": names, "points": [p.__dict__ for p in points[level]]}
+                spec |= {
+                    "correctness": repeat == 0,
+                    "probe": level == "raw" and repeat == 0,
+                    "timeout": args.pg_timeout,
+                }
+                start = time.monotonic()
+                output = launch(["--spec", json.dumps(spec), "--out", str(out)], 2, args.timeout)
+                seconds[level] = seconds.get(level, 0.0) + time.monotonic() - start
+                print(output[-4000:] if args.verbose else f"[run.py] {level} repeat {repeat} done", flush=True)
+                data = json.loads(out.read_text())
+                runs[level].append(data["points"])
+                probe = probe or data.get("probe")
+    results: dict[str, Any] = {level: pool(found, PAIRS) for level, found in runs.items()}
+    results |= {"probe": probe, "seconds": seconds, "meta": meta(args, time.monotonic() - started)}
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    write_report(results, args.out)
     print(f"[run.py] wrote {args.out} in {time.monotonic() - started:.0f}s", flush=True)
 
 
@@ -252,40 +106,224 @@ def meta(args: argparse.Namespace, seconds: float) -> dict[str, Any]:
     import lightning
     import torch
 
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    flags = ""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in text)
-    except OSError:
-        pass
-    import os
-
+    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "unknown")
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "torch": torch.__version__,
         "lightning": lightning.__version__,
         "python": platform.python_version(),
-        "cpu": cpu,
-        "cpu_flags": flags,
-        "cores": os.cpu_count(),
+        "cpu": f"{cpu} ({os.cpu_count()} cores)",
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
         "seconds": seconds,
         "repeats": args.repeats,
-        "rounds": args.rounds,
-        "rounds_20m": args.rounds_20m,
-        "warmup": args.warmup,
-        "sweep_rounds": args.sweep_rounds,
-        "quick": args.quick,
-        "parameters": {s: parameter_count(s) for s in ("tiny", "0.2M", "2M", "20M")},
+        "parameters": {s: parameter_count(s) for s in ("0.2M", "2M", "20M")},
     }
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
+def rank(args: argparse.Namespace) -> None:
+    """One rank of a level (started by ``launch``): every point's variants, written by rank 0 to ``--out``."""
+    import logging
+
+    import torch
+    import torch.distributed as dist
+    from common import CollectiveCounter, finish
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    spec = json.loads(args.spec)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=spec["timeout"]))
+    counter, results = CollectiveCounter(), {"points": [], "probe": None}
+    if spec["probe"]:
+        from steps import gloo_probe
+
+        results["probe"] = gloo_probe()
+    for entry in spec["points"]:
+        point = Point(**entry)
+        if spec["kind"] == "raw":
+            from steps import run_point
+
+            result = run_point(point, spec["names"], counter, spec["correctness"])
+        else:
+            from fits import run_point as run_fits
+
+            result = run_fits(point, spec["names"], counter, spec["correctness"], spec["timeout"])
+        results["points"].append(result)
+        if dist.get_rank() == 0:
+            medians = {k: statistics.median(v) * 1e3 for k, v in result["times"].items()}
+            print(
+                f"{spec['kind']} {point.label}: " + " ".join(f"{k}={v:.2f}ms" for k, v in medians.items()), flush=True
+            )
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(results))
+    finish()
+
+
+def overhead(args: argparse.Namespace) -> None:
+    """Host time each raw variant adds per step on a 1-rank gloo group (DDP still buckets, copies and all-reduces):
+    the median of the paired per-step differences to plain DDP, with their quartiles. The 2-rank ratios carry the
+    other rank's jitter, which hides differences below a few percent at 0.2M-2M parameters."""
+    from common import one_rank
+    from steps import one_rank_differences
+
+    names = args.variants.split(",")
+    print("Host time added per optimizer step: median of the paired differences to plain DDP [q25, q75], µs")
+    print("| point | plain DDP step (µs) | " + " | ".join(names) + " |\n|---|---:|" + "---:|" * len(names))
+    with one_rank():
+        for size in args.sizes.split(","):
+            for accumulate in map(int, args.accumulate.split(",")):
+                found = one_rank_differences(Point(size, accumulate, "fp32", args.steps, args.steps // 10), names)
+                cells = []
+                for name in names:
+                    q1, median, q3 = statistics.quantiles([d * 1e6 for d in found[name]], n=4)
+                    cells.append(f"{median:.0f} [{q1:.0f}, {q3:.0f}]")
+                plain = statistics.median(found["ddp"]) * 1e6
+                print(f"| {size} A={accumulate} ({args.steps} steps) | {plain:.0f} | " + " | ".join(cells) + " |")
+
+
+# callgrind's client requests, callable from Python through ctypes
+_REQUESTS = b"#include <valgrind/callgrind.h>\nvoid dump(const char *label) { CALLGRIND_DUMP_STATS_AT(label); }\n"
+_WARM = 5
+
+
+def instructions(args: argparse.Namespace) -> None:
+    """Instructions each variant executes per optimizer step, counted by callgrind on a 1-rank gloo group, every
+    thread's, after a warm-up, on one intra-op thread: host work without noise. ``raw``: every variant of a point
+    in one process, each step counted between two dumps; ``trainer``: one ``Trainer.fit`` per process (Lightning's
+    state is per fit), windows counted from the start of one to the start of another. An instruction is not a
+    unit of time (the weighting's Python runs at a lower rate than the model's matrix products)."""
+    if not (shutil.which("valgrind") and shutil.which("cc")):
+        sys.exit("instructions need valgrind and a C compiler (cc) on the PATH")
+    names = ["ddp", *args.variants.split(",")]
+    print(f"Instructions per optimizer step ({args.level}), {args.steps} steps counted by callgrind, 1 rank, thousands")
+    print("(in brackets: beyond plain DDP)\n\n| point | " + " | ".join(names) + " |\n|---|" + "---:|" * len(names))
+    with tempfile.TemporaryDirectory(prefix="callgrind-") as temporary:
+        folder = Path(temporary)
+        command = ["cc", "-O2", "-shared", "-fPIC", "-x", "c", "-", "-o", str(folder / "requests.so")]
+        subprocess.run(command, input=_REQUESTS, check=True)
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "LW_CALLGRIND_REQUESTS": str(folder / "requests.so")}
+        env |= {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "LOCAL_RANK": "0"}  # Lightning: no launch
+        env["PYTHONPATH"] = str(HERE.parent / "examples")
+        for size in args.sizes.split(","):
+            for accumulate in args.accumulate.split(","):
+                runs = [",".join(names)] if args.level == "raw" else names  # one process per fit
+                started = []
+                for k, group in enumerate(runs):
+                    out = folder / f"{size}-{accumulate}-{k}.out"
+                    counted = [sys.executable, __file__, "count", args.level, size, accumulate, str(args.steps), group]
+                    call = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *counted]
+                    started.append(subprocess.Popen(call, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env))
+                found: dict[str, float] = {}
+                for process in started:
+                    output = process.communicate(timeout=3600)[0].decode(errors="replace")
+                    if process.returncode != 0:
+                        sys.exit(f"callgrind run failed ({process.returncode}):\n{output[-3000:]}")
+                for dump in folder.glob(f"{size}-{accumulate}-*.out.*"):
+                    text = dump.read_text()
+                    label = re.search(r"^desc: Trigger: Client Request: (.+)$", text, re.MULTILINE)
+                    total = re.search(r"^(?:summary|totals): (\d+)", text, re.MULTILINE)
+                    if label and total and label.group(1) != "before":
+                        found[label.group(1)] = int(total.group(1)) / args.steps
+                    dump.unlink()
+                plain = found["ddp"]
+                cells = [f"{plain / 1e3:.1f}"] + [
+                    f"{found[n] / 1e3:.1f} ({(found[n] - plain) / 1e3:+.1f})" for n in names[1:]
+                ]
+                print(f"| {size} A={accumulate} | " + " | ".join(cells) + " |", flush=True)
+
+
+def count(args: argparse.Namespace) -> None:
+    """Under callgrind: each variant's ``steps`` steps after a warm-up, counted from zero, dumped under its name."""
+    from common import one_rank
+
+    dump = ctypes.CDLL(os.environ["LW_CALLGRIND_REQUESTS"]).dump  # looked up once, outside the counting
+    point = Point(args.size, args.accumulate, "fp32", args.steps, _WARM)
+    with one_rank():
+        if args.level == "raw":
+            from steps import build
+
+            models = build(point, args.names.split(","), 0, 1, windows=50)
+            for _ in range(_WARM):
+                for model in models.values():
+                    model.step()
+            gc.disable()  # a collection would land in whichever variant crosses its threshold
+            for name, model in models.items():
+                gc.collect()
+                dump(b"before")  # a dump zeroes every thread's count: what ran before is left out
+                for _ in range(args.steps):
+                    model.step()
+                dump(name.encode())
+            return
+        from fits import Fit
+        from lightning.pytorch import Callback
+
+        class Counting(Callback):
+            """Dumps at the start of window ``_WARM`` (zeroing every count) and of window ``_WARM + steps``."""
+
+            def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+                if batch_idx == _WARM * point.accumulate:
+                    gc.collect()
+                    gc.disable()
+                    dump(b"before")
+                elif batch_idx == (_WARM + args.steps) * point.accumulate:
+                    dump(args.names.encode())
+                    gc.enable()
+
+        fit = Fit(args.names, point, point.steps + 1, 60, extra=[Counting()], park=False)
+        fit.run()
+        if fit.baton.error is not None:
+            raise fit.baton.error
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", metavar="{all,overhead,instructions}")
+    run_all = commands.add_parser("all", help="the 2-rank tables and RESULTS.md (the default)")
+    run_all.add_argument("--quick", action="store_true", help="tiny grid, few rounds (the smoke test)")
+    run_all.add_argument("--repeats", type=int, default=2, help="independent process groups per level")
+    run_all.add_argument("--rounds", type=int, default=150, help="timed rounds per point (0.2M: twice)")
+    run_all.add_argument("--rounds-20m", type=int, default=12, help="timed rounds for the 20M points")
+    run_all.add_argument("--warmup", type=int, default=5, help="untimed rounds first (20M: half)")
+    run_all.add_argument("--levels", default="raw,trainer,sharded")
+    run_all.add_argument("--sizes", default="0.2M,2M,20M", help="the raw and Trainer grids' model sizes")
+    run_all.add_argument("--dtypes", default="fp32,bf16", help="the raw and Trainer grids' gradient dtypes")
+    run_all.add_argument("--out", type=Path, default=HERE, help="where results.json and RESULTS.md go")
+    run_all.add_argument("--timeout", type=float, default=1800, help="hard timeout of one launch (s)")
+    run_all.add_argument("--pg-timeout", type=float, default=180, help="gloo process-group timeout (s)")
+    run_all.add_argument("--verbose", action="store_true")
+    one = commands.add_parser("overhead", help="host time per step on one rank, µs beyond plain DDP")
+    one.add_argument("--sizes", default="0.2M,2M")
+    one.add_argument("--accumulate", default="1,4")
+    one.add_argument("--steps", type=int, default=1500, help="optimizer steps per variant and point")
+    one.add_argument("--variants", default="ddp_control,ddp_weighted,ddp_weighted_after,post_hoc,pre_count")
+    grind = commands.add_parser("instructions", help="instructions per step under callgrind, beyond plain DDP")
+    grind.add_argument("--level", choices=("raw", "trainer"), default="raw")
+    grind.add_argument("--sizes", default="0.2M")
+    grind.add_argument("--accumulate", default="1,4")
+    grind.add_argument("--steps", type=int, default=10, help="optimizer steps counted per variant and point")
+    grind.add_argument("--variants", help="besides plain DDP; default: the level's")
+    worker = commands.add_parser("rank")  # one rank of a level, started by `launch`
+    worker.add_argument("--spec", required=True)
+    worker.add_argument("--out", required=True)
+    counted = commands.add_parser("count")  # under callgrind
+    for name, kind in (("level", str), ("size", str), ("accumulate", int), ("steps", int), ("names", str)):
+        counted.add_argument(name, type=kind)
+    argv = sys.argv[1:]
+    if not argv or (argv[0] not in commands.choices and argv[0] not in ("-h", "--help")):
+        argv = ["all", *argv]
+    args = parser.parse_args(argv)
+    if args.command == "instructions" and not args.variants:
+        args.variants = "ddp_control,ddp_weighted,ddp_weighted_after"
+        args.variants += ",post_hoc,pre_count" if args.level == "raw" else ",ddp_callback"
+    {"all": measure, "overhead": overhead, "instructions": instructions, "rank": rank, "count": count}[args.command](
+        args
+    )
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from cpu_fsdp import CPUFSDPStrategy
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
@@ -43,7 +44,6 @@ from torch import Tensor, nn
 
 import lightning_weighted
 from lightning_weighted.audit import ObjectiveAudit, is_audit_rerun
-from lightning_weighted.trainer.fsdp1 import CPUFSDPStrategy
 
 IGNORE = -100
 LAUNCHER = "fork" if "fork" in torch.multiprocessing.get_all_start_methods() else "spawn"  # of the DDP runs

@@ -265,6 +265,27 @@ def _fail(message: str) -> None:
     pytest.fail(message)
 
 
+# ------------------------------------------------------------------------------------------ the exit settle
+# A gloo thread that completes a collective takes the GIL once more after waking the waiter, to release the work,
+# which holds the Python context of the code that launched it (a backward's bucket all-reduces included). A process
+# whose interpreter is finalizing by then aborts ("terminate called without an active exception", exit code -6,
+# after training finished; plain "ddp" too). Ranks forked from the zygote end with `os._exit` and never finalize;
+# a rank script started by `run` (Lightning's popen launcher, torchrun) registers this settle first.
+EXIT_SETTLE_S = 0.05
+
+
+def settle_at_exit() -> None:
+    """Makes this process's exit hand the GIL over first (for :data:`EXIT_SETTLE_S`) while a process group exists."""
+    atexit.unregister(_settle)
+    atexit.register(_settle)
+
+
+def _settle() -> None:
+    dist = sys.modules.get("torch.distributed")  # a process that never imported it has no group to settle
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        time.sleep(EXIT_SETTLE_S)
+
+
 # --------------------------------------------------------------------------------------------------- the zygote
 
 

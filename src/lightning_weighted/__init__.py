@@ -7,9 +7,6 @@ Fabric's ``STRATEGY_REGISTRY``. The objective is stated in :mod:`lightning_weigh
 from the batch to the gradients, in ``docs/architecture.md``.
 """
 
-import warnings
-from typing import Any
-
 from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_STRATEGIES
 from lightning.pytorch.strategies import StrategyRegistry
 
@@ -48,30 +45,3 @@ WeightedModelParallelStrategy.register_strategies(StrategyRegistry)
 WeightedFSDPStrategy.register_strategies(StrategyRegistry)
 WeightedFabricDDPStrategy.register_strategies(_FABRIC_STRATEGIES)
 WeightedFabricModelParallelStrategy.register_strategies(_FABRIC_STRATEGIES)
-
-# Names that left the public surface: still importable, with a warning naming where they went.
-_MOVED = {
-    "AnyDeviceFSDPStrategy": ("lightning_weighted.trainer.fsdp1", "CPUFSDPStrategy"),
-    "Window": ("lightning_weighted.window", "Window"),
-    "is_replaying": ("lightning_weighted.audit", "is_audit_rerun"),
-}
-# Names whose mechanism is gone: the counts no longer travel in a communication hook or a carrier parameter.
-_GONE = {
-    "BatchCounter": "ItemCounter is the one counter the strategies look for",
-    "LossScale": "a window counted ahead scales by D·n/N, one counted after by n/c (lightning_weighted.window)",
-    "ShardedReduceState": "the FSDP engines hold their reduction state (lightning_weighted.engines)",
-    "WeightedReduceState": "ddp_weighted registers no communication hook: DDP's own reducer averages",
-    "weighted_allreduce_hook": "ddp_weighted registers no communication hook: DDP's own reducer averages",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        module, attribute = _MOVED[name]
-        warnings.warn(
-            f"lightning_weighted.{name} is deprecated: use {module}.{attribute}", DeprecationWarning, stacklevel=2
-        )
-        return getattr(__import__(module, fromlist=[attribute]), attribute)
-    if name in _GONE:
-        raise AttributeError(f"lightning_weighted.{name} was removed: {_GONE[name]}.")
-    raise AttributeError(f"module 'lightning_weighted' has no attribute {name!r}")

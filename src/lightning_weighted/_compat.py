@@ -12,9 +12,7 @@ releases is skipped there with the reason), so a release that moves one fails th
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -419,19 +417,3 @@ class _ExtendedIterable:
             state = self._lw.state
             return lambda: state() or value()
         return value
-
-
-# --------------------------------------------------------------------------------------- the exit settle
-# A gloo thread that completes a collective takes the GIL once more after waking the waiter, to release the work,
-# which holds the Python context of the code that launched it (a backward's bucket all-reduces included). A process
-# whose interpreter is finalizing by then aborts ("terminate called without an active exception", exit code -6,
-# after training finished; plain "ddp" too). While a process group exists, the exit first hands the GIL over.
-EXIT_SETTLE_S = 0.05
-
-
-def _settle_at_exit() -> None:
-    if dist.is_available() and dist.is_initialized():
-        time.sleep(EXIT_SETTLE_S)
-
-
-atexit.register(_settle_at_exit)

@@ -23,15 +23,15 @@ from typing import Any
 
 import torch
 import torchmetrics
+from cpu_fsdp import CPUFSDPStrategy
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, SpikeDetection, StochasticWeightAveraging
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from worker import rank_arguments
 
 import lightning_weighted
-from lightning_weighted.trainer.fsdp1 import CPUFSDPStrategy
 
 TOKENS = 4  # per item; each item holds 1 to 4 valid ones
 
@@ -274,7 +274,7 @@ def main() -> None:
 
 def _full_state(trainer: Trainer, module: LightningModule) -> dict[str, Tensor] | None:
     """The module's whole parameters under DDP or FSDP2 (a collective there); ``None`` under FSDP1."""
-    if isinstance(trainer.strategy, CPUFSDPStrategy):
+    if isinstance(trainer.strategy, FSDPStrategy):
         return None
     state = {}
     for name, param in module.named_parameters():

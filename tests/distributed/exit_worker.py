@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from launcher import settle_at_exit
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_weighted.counts import WIDTH, read_count
@@ -36,6 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--path", choices=["window", "backward"], required=True)
     args = parser.parse_args()
+    settle_at_exit()
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     if args.path == "backward":
         x = torch.ones(4, requires_grad=True)

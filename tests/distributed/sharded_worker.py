@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from cpu_fsdp import CPUFSDPStrategy
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -25,7 +26,6 @@ from torch import Tensor, nn
 from worker import Recorder, make_counter, rank_arguments
 
 import lightning_weighted
-from lightning_weighted.trainer.fsdp1 import CPUFSDPStrategy
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

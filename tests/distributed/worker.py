@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from launcher import settle_at_exit
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -190,9 +191,11 @@ def make_counter(config: Config) -> Callback:
 
 
 def rank_arguments(parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
-    """What every rank script does first: dump all stacks on SIGUSR1 (the harness's signal on a hang), use one
-    intra-op thread, and parse its options, ``--config`` (a JSON config) and ``--out`` among them."""
+    """What every rank script does first: dump all stacks on SIGUSR1 (the harness's signal on a hang), settle its
+    exit (``launcher.settle_at_exit``), use one intra-op thread, and parse its options, ``--config`` (a JSON config)
+    and ``--out`` among them."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    settle_at_exit()
     torch.set_num_threads(1)
     parser = parser or argparse.ArgumentParser()
     parser.add_argument("--config", required=True, help="the config dataclass as JSON")

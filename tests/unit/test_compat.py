@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import re
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -821,28 +820,6 @@ def test_flat_parameters_lists_each_fsdp1_units_flat_parameter(one_rank: None) -
     # The gradient accumulates on the flat parameter (where `engines/fsdp1.py` hooks its zeroing).
     root(torch.ones(1, 2)).sum().backward()
     pinned("flat_parameters", all(p.grad is not None for p in flat), f"{symbol}.grad", "no gradient reached it")
-
-
-# --------------------------------------------------------------------------------------- the exit settle
-
-
-def test_the_exit_settle_waits_only_while_a_process_group_exists(tmp_path: Path) -> None:
-    # Relies on no private symbol: `dist.is_available`, `dist.is_initialized` and `atexit` are public.
-    assert isinstance(_compat.EXIT_SETTLE_S, float) and 0 < _compat.EXIT_SETTLE_S < 1
-    source_says("EXIT_SETTLE_S", _compat, "atexit.register(_settle_at_exit)", "_compat's atexit registration")
-    start = time.perf_counter()
-    _compat._settle_at_exit()
-    assert time.perf_counter() - start < _compat.EXIT_SETTLE_S  # no process group: no wait
-    assert not dist.is_initialized()
-    dist.init_process_group(
-        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1, timeout=timedelta(seconds=30)
-    )
-    try:
-        start = time.perf_counter()
-        _compat._settle_at_exit()
-        assert time.perf_counter() - start >= _compat.EXIT_SETTLE_S
-    finally:
-        dist.destroy_process_group()
 
 
 def test_pinned_names_the_entry_and_the_symbol_that_moved() -> None:

@@ -16,7 +16,6 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 import lightning_weighted
 from lightning_weighted import UnpaddedDistributedSampler, WeightedDDPStrategy
 from lightning_weighted._compat import LOADER_BARRIERS
-from lightning_weighted.trainer.fsdp1 import CPUFSDPStrategy
 
 NAMES = {
     "ddp_weighted": ("popen", False),
@@ -54,21 +53,6 @@ def test_public_names_are_exactly_all():
     assert set(lightning_weighted.__all__) == public - {"StrategyRegistry", "Any"}
     assert lightning_weighted.__all__ == sorted(lightning_weighted.__all__)
     assert len(lightning_weighted.__all__) <= 17
-
-
-@pytest.mark.parametrize(
-    ("name", "replacement"),
-    [("AnyDeviceFSDPStrategy", CPUFSDPStrategy), ("is_replaying", lightning_weighted.is_audit_rerun)],
-)
-def test_a_name_that_left_the_public_surface_still_imports_with_a_deprecation_warning(name, replacement):
-    with pytest.warns(DeprecationWarning, match=rf"lightning_weighted\.{name} is deprecated: use "):
-        assert getattr(lightning_weighted, name) is replacement
-
-
-@pytest.mark.parametrize("name", ["WeightedReduceState", "weighted_allreduce_hook", "LossScale", "BatchCounter"])
-def test_a_name_whose_mechanism_is_gone_says_what_replaced_it(name):
-    with pytest.raises(AttributeError, match=rf"lightning_weighted\.{name} was removed: "):
-        getattr(lightning_weighted, name)
 
 
 def test_a_comm_hook_of_your_own_is_passed_on_as_under_ddp():

@@ -11,24 +11,15 @@ tensor-parallel peers, which hold the same batch. The worked trace on 2 ranks, c
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_weighted._compat import (
-    FSDP2_TORCH,
-    flatten_mesh,
-    fsdp2_param_groups,
-    fsdp2_policies,
-    parallel_sizes,
-    reduce_scatter,
-    require_torch,
-    set_parallel_sizes,
-)
+from lightning_weighted._compat import FSDP2_TORCH, fsdp2_param_groups, fsdp2_policies, reduce_scatter, require_torch
 
-__all__ = ["FP16_FIX", "FSDP2Engine", "data_parallel_group", "every_rank_data_parallel", "mesh_sizes", "shard_blocks"]
+__all__ = ["FP16_FIX", "FSDP2Engine", "shard_blocks"]
 
 FP16_FIX = (
     "float16 cannot hold the item-sum gradients that are computed and reduced before the division by N. Compute"
@@ -114,40 +105,6 @@ class _ZeroingReduceScatter:
         """Reduce-scatters ``input_tensor`` (this rank's unsharded gradients) into ``output_tensor``."""
         self.engine._zero(input_tensor)
         return reduce_scatter(output_tensor, input_tensor, group, op, async_op)
-
-
-def data_parallel_group(mesh: Any, dims: str | Sequence[str] = "data_parallel") -> dist.ProcessGroup:
-    """The process group of a device mesh's data-parallel dimensions: where a window's counts are summed.
-
-    ``dims`` is one dimension, or several (HSDP's ``("replicate", "shard")``), flattened into one group holding
-    every rank that sees different data. With Lightning's mesh of 2 data-parallel × 2 tensor-parallel ranks, rank
-    0's group is ranks {0, 2}.
-    """
-    names = (dims,) if isinstance(dims, str) else tuple(dims)
-    submesh = mesh[names[0]] if len(names) == 1 else flatten_mesh(mesh, names)
-    group: dist.ProcessGroup = submesh.get_group()
-    return group
-
-
-def every_rank_data_parallel(strategy: Any) -> None:
-    """Sets a ``ModelParallelStrategy``'s ``"auto"`` mesh sizes by :func:`mesh_sizes`, before it builds its mesh."""
-    world = strategy.num_nodes * strategy.num_processes
-    set_parallel_sizes(strategy, *mesh_sizes(world, *parallel_sizes(strategy)))
-
-
-def mesh_sizes(world: int, data: int | Literal["auto"], tensor: int | Literal["auto"]) -> tuple[int, int]:
-    """``(data_parallel_size, tensor_parallel_size)``: every rank data-parallel unless told otherwise.
-
-    Lightning's own ``"auto"`` is one data-parallel rank per node; here it is what the other size leaves.
-
-    Example::
-
-        >>> mesh_sizes(8, "auto", "auto"), mesh_sizes(8, "auto", 2), mesh_sizes(8, 2, "auto")
-        ((8, 1), (4, 2), (2, 4))
-    """
-    if data == "auto":
-        data = world // (1 if tensor == "auto" else tensor)
-    return data, max(world // data, 1) if tensor == "auto" else tensor
 
 
 def shard_blocks(module: nn.Module, mesh: Any) -> nn.Module:

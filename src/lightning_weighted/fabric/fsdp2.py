@@ -11,8 +11,9 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_weighted._compat import BackwardSyncControl, StrategyRegistry, register, set_backward_sync_control
+from lightning_weighted._launch import data_parallel_group, every_rank_data_parallel
 from lightning_weighted.data import Policy
-from lightning_weighted.engines.fsdp2 import FSDP2Engine, data_parallel_group, every_rank_data_parallel, shard_blocks
+from lightning_weighted.engines.fsdp2 import FSDP2Engine, shard_blocks
 from lightning_weighted.fabric._strategy import WeightedFabricStrategy
 
 __all__ = ["WeightedFabricModelParallelStrategy"]

@@ -12,12 +12,13 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_weighted._compat import StrategyRegistry, augment_message, ddp_kwargs, join_enabled, register
+from lightning_weighted._launch import LAUNCHERS
 from lightning_weighted.data import Policy
 from lightning_weighted.engines import Engine
 from lightning_weighted.engines.ddp import DDPEngine, fp16_backward
 from lightning_weighted.trainer._strategy import WeightedTrainerStrategy
 
-__all__ = ["LAUNCHERS", "WeightedDDPStrategy"]
+__all__ = ["WeightedDDPStrategy"]
 
 
 class WeightedDDPStrategy(WeightedTrainerStrategy, DDPStrategy):
@@ -106,11 +107,4 @@ UNUSED_PARAMETERS = (
     " training_step. If this is intentional, enable the detection of unused parameters in DDP, either with the"
     " strategy name `strategy='ddp_weighted_find_unused_parameters_true'` or with"
     " `strategy=WeightedDDPStrategy(find_unused_parameters=True)`."
-)
-
-LAUNCHERS: tuple[tuple[str, dict[str, Any]], ...] = (  # a registered name, its keyword arguments
-    ("ddp_weighted", {"start_method": "popen"}),
-    ("ddp_weighted_spawn", {"start_method": "spawn"}),
-    ("ddp_weighted_fork", {"start_method": "fork"}),
-    ("ddp_weighted_find_unused_parameters_true", {"start_method": "popen", "find_unused_parameters": True}),
 )

@@ -23,65 +23,35 @@ from lightning_weighted.engines.fsdp1 import FSDP1Engine
 from lightning_weighted.engines.fsdp2 import FP16_FIX
 from lightning_weighted.trainer._strategy import WeightedTrainerStrategy
 
-__all__ = ["CPUFSDPStrategy", "WeightedFSDPStrategy"]
+__all__ = ["WeightedFSDPStrategy"]
 
 _REFUSED_SHARDING = ("NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 
 
-class CPUFSDPStrategy(FSDPStrategy):
-    """Lightning's ``FSDPStrategy``, also on the CPU (gloo): the plain FSDP1 that ``"fsdp_weighted"`` extends.
+def _wraps_on_cpu(strategy: FSDPStrategy, model: Module) -> bool:
+    """Whether ``model`` is to be wrapped here: on the CPU, where Lightning's ``_setup_model`` cannot, and unwrapped."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
-    Lightning refuses its own ``FSDPStrategy`` on the CPU; FSDP1 runs there when wrapped with
-    ``device_id=torch.device("cpu")``, and its full state dicts when they are not "offloaded" to the CPU they are
-    on already (FSDP1 frees the unsharded parameters it offloads, and a CPU "offload" is the same memory). Nothing
-    else differs.
-    """
+    cpu = strategy.root_device.type == "cpu"
+    return cpu and not any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
 
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        if not self._full_on_cpu():
-            return super().lightning_module_state_dict()
-        assert self.model is not None
-        with _full_state_dict_in_place(self.model):
-            state: dict[str, Any] = self.model.state_dict()
-        return state
 
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        if not self._full_on_cpu():
-            return super().optimizer_state(optimizer)
-        from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
+def _wrap_on_cpu(strategy: FSDPStrategy, model: Module) -> Module:
+    """``model`` wrapped as Lightning's ``FSDPStrategy._setup_model`` wraps it on CUDA, with the CPU as its device."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer.optimizer
-        assert self.model is not None
-        with _full_state_dict_in_place(self.model):
-            state = FullyShardedDataParallel.optim_state_dict(self.model, optimizer)
-            if self.global_rank == 0:  # the standard layout, as Lightning saves it
-                state = FullyShardedDataParallel.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, self.model)
-        return state
-
-    def _full_on_cpu(self) -> bool:
-        return fsdp1_options(self)[0] == "full" and self.root_device.type == "cpu"
-
-    @override
-    def _setup_model(self, model: Module) -> Module:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        if self.root_device.type != "cpu" or any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
-            return super()._setup_model(model)
-        wrapped = FullyShardedDataParallel(
-            module=model,
-            cpu_offload=self.cpu_offload,
-            mixed_precision=self.mixed_precision_config,
-            sharding_strategy=self.sharding_strategy,
-            device_id=torch.device("cpu"),  # Lightning passes the device index, which is None on the CPU
-            **self.kwargs,
-        )
-        move_metrics, checkpointing = fsdp_setup_helpers()
-        move_metrics(wrapped, self.root_device)
-        checkpointing(wrapped, fsdp1_options(self)[1])
-        return wrapped
+    wrapped = FullyShardedDataParallel(
+        module=model,
+        cpu_offload=strategy.cpu_offload,
+        mixed_precision=strategy.mixed_precision_config,
+        sharding_strategy=strategy.sharding_strategy,
+        device_id=torch.device("cpu"),  # Lightning passes the device index, which is None on the CPU
+        **strategy.kwargs,
+    )
+    move_metrics, checkpointing = fsdp_setup_helpers()
+    move_metrics(wrapped, strategy.root_device)
+    checkpointing(wrapped, fsdp1_options(strategy)[1])
+    return wrapped
 
 
 def _full_state_dict_in_place(module: Module) -> contextlib.AbstractContextManager[Any]:
@@ -97,13 +67,15 @@ def _full_state_dict_in_place(module: Module) -> contextlib.AbstractContextManag
     )
 
 
-class WeightedFSDPStrategy(WeightedTrainerStrategy, CPUFSDPStrategy):
+class WeightedFSDPStrategy(WeightedTrainerStrategy, FSDPStrategy):
     """FSDP1 that optimises the mean over every valid item of each optimizer step, on every rank and microbatch.
 
     Takes ``FSDPStrategy``'s arguments (auto-wrap policy, sharding strategy, mixed precision, activation
-    checkpointing, state-dict type) and runs on the CPU too. ``training_step`` follows
-    :class:`~lightning_weighted.WeightedDDPStrategy`'s contract and rules, and the update is the one stated in
-    :mod:`lightning_weighted.window`.
+    checkpointing, state-dict type) and runs on the CPU too, where Lightning refuses its own ``FSDPStrategy``: FSDP1
+    is wrapped there with ``device_id=torch.device("cpu")``, and full state dicts are not "offloaded" to the CPU
+    they are on already (FSDP1 frees the unsharded parameters it offloads, and a CPU "offload" is the same memory).
+    ``training_step`` follows :class:`~lightning_weighted.WeightedDDPStrategy`'s contract and rules, and the update
+    is the one stated in :mod:`lightning_weighted.window`.
 
     Its communication hook SUM-reduce-scatters once per window, as Lightning's ``FSDPStrategy`` reduces (the
     unsharded gradient is accumulated over the window's microbatches, an empty one's zeroed on its way in), the
@@ -168,7 +140,7 @@ class WeightedFSDPStrategy(WeightedTrainerStrategy, CPUFSDPStrategy):
 
     @override
     def _setup_model(self, model: Module) -> Module:
-        wrapped = super()._setup_model(model)
+        wrapped = _wrap_on_cpu(self, model) if _wraps_on_cpu(self, model) else super()._setup_model(model)
         self._fsdp1 = FSDP1Engine(wrapped)  # its hook is registered before the root's first forward
         return wrapped
 
@@ -185,3 +157,30 @@ class WeightedFSDPStrategy(WeightedTrainerStrategy, CPUFSDPStrategy):
         else:
             with super().block_backward_sync():
                 yield None
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not self._full_on_cpu():
+            return super().lightning_module_state_dict()
+        assert self.model is not None
+        with _full_state_dict_in_place(self.model):
+            state: dict[str, Any] = self.model.state_dict()
+        return state
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        if not self._full_on_cpu():
+            return super().optimizer_state(optimizer)
+        from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer.optimizer
+        assert self.model is not None
+        with _full_state_dict_in_place(self.model):
+            state = FullyShardedDataParallel.optim_state_dict(self.model, optimizer)
+            if self.global_rank == 0:  # the standard layout, as Lightning saves it
+                state = FullyShardedDataParallel.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, self.model)
+        return state
+
+    def _full_on_cpu(self) -> bool:
+        return fsdp1_options(self)[0] == "full" and self.root_device.type == "cpu"
