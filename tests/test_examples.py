@@ -38,6 +38,7 @@ def tiny_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny_lm")
     done = run(tiny_command(out), timeout=150)
     assert done.returncode == 0, done.stdout[-8000:]
+    (out / "stdout.txt").write_text(done.stdout)
     return out
 
 
@@ -68,6 +69,21 @@ def test_ddp_weighted_stays_on_the_reference_while_ddp_drifts_away(tiny_lm):
 
     assert loss_gap("ddp_weighted") < 1e-5
     assert loss_gap("ddp") > 1e-3
+
+
+def test_tiny_lm_prints_each_runs_distance_loss_and_audit_error_with_their_units(tiny_lm):
+    printed = (tiny_lm / "stdout.txt").read_text().splitlines()
+    assert any("‖θ − θ_ref‖ / ‖θ_ref‖" in line for line in printed)
+    assert any("cross-entropy in nats" in line for line in printed)
+    summary = json.loads((tiny_lm / "summary.json").read_text())
+    table = {line.split()[0]: line.split()[1:] for line in printed if line.startswith(("reference ", "ddp"))}
+    assert table["reference"][:2] == ["-", "-"]
+    for name in ("ddp", "ddp_weighted"):
+        final, largest, loss, audit = (float(value) for value in table[name][:4])
+        assert final == pytest.approx(summary["final_distance"][name], rel=1e-2)
+        assert largest == pytest.approx(summary["max_distance"][name], rel=1e-2)
+        assert loss == pytest.approx(summary["final_loss"][name], rel=1e-5)
+        assert audit == pytest.approx(max(summary["audit_objective_error"][name]), rel=1e-2)
 
 
 def test_the_audit_in_the_example_flags_ddp_and_passes_ddp_weighted(tiny_lm):

@@ -20,3 +20,7 @@ def test_the_hugging_face_example_stays_on_the_reference_padded_and_packed(tmp_p
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["weighted"] < 5e-5  # fp32 rounding through 4 Adam steps (measured 5e-6 to 7e-6)
     assert summary["plain"] > 1e-2  # measured 2.3e-2
+    lines = done.stdout.splitlines()
+    assert any("max|θ − θ_ref| / max|θ_ref|" in line for line in lines)  # the printed distances say their unit
+    printed = {line.split()[0]: float(line.split()[1]) for line in lines if line.startswith(("weighted ", "plain "))}
+    assert printed == pytest.approx({run: summary[run] for run in ("weighted", "plain")}, rel=1e-2)
