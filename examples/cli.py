@@ -5,7 +5,7 @@ the mean over its unpadded tokens (``F.cross_entropy(..., ignore_index=-100)``),
 returns that mean together with the number of tokens behind it, so every optimizer step minimises the
 mean over all unpadded tokens of all ranks. Any other ``LightningModule`` can be passed with ``--model``.
 
-Needs ``jsonargparse[signatures]`` (``pip install "lightning-weighted[cli]"``). Usage::
+Needs ``jsonargparse[signatures]`` (``pip install -e '.[examples]'`` in a clone). Usage::
 
     # the registered strategy name, 2 CPU processes
     python examples/cli.py fit --trainer.accelerator cpu --trainer.devices 2 --trainer.strategy ddp_weighted

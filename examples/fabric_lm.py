@@ -157,6 +157,8 @@ def main() -> None:
         "seconds": seconds,
     }
     (Path(args.out) / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"{args.steps} optimizer steps; distance: ‖θ − θ_ref‖ / ‖θ_ref‖ (all parameters) from the float64 reference;")
+    print("loss: cross-entropy in nats, the mean over every valid target token of the last step")
     print(f"{'run':<14}{'final distance':>16}{'max distance':>14}{'final loss':>12}")
     for run in RUNS:
         final = summary["final_distance"].get(run, 0.0)

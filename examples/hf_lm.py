@@ -5,7 +5,8 @@
     python examples/hf_lm.py --out runs/hf_lm --packed            # padding-free: DataCollatorWithFlattening
 
 trains one tiny, randomly initialised GPT-2 (``transformers``; ``wte`` and ``lm_head`` tied) from the same weights
-on the same documents three ways, and prints how far each run's parameters end from the reference's:
+on the same documents three ways, and prints how far each run's parameters end from the reference's (the largest
+difference of any parameter, relative to the largest reference parameter, ``max|θ − θ_ref| / max|θ_ref|``):
 
 - ``reference``: one process, float64, each optimizer step over the union of both shards' microbatches of that
   step: the mean over all their target tokens of the token loss, plus an auxiliary z-loss averaged over the step's
@@ -42,6 +43,7 @@ import lightning_weighted
 from lightning_weighted import shard_blocks
 
 VOCAB, IGNORE = 64, -100
+UNIT = "max|θ − θ_ref| / max|θ_ref| over all parameters"
 LAUNCHER = "fork" if "fork" in torch.multiprocessing.get_all_start_methods() else "spawn"
 
 
@@ -203,14 +205,18 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     expected = reference(args)
-    summary: dict[str, Any] = {"engine": args.engine, "packed": args.packed, "steps": args.steps}
+    summary: dict[str, Any] = {"engine": args.engine, "packed": args.packed, "steps": args.steps, "unit": UNIT}
     for run in ("weighted", "plain"):  # each strategy's launcher re-runs this command for rank 1
         subprocess.run([sys.executable, __file__, *sys.argv[1:], "--run", run], check=True)
         params = torch.load(out / f"{run}.pt")
         scale = max(float(e.abs().max()) for e in expected)
         summary[run] = max(float((p.double() - e).abs().max()) for p, e in zip(params, expected, strict=True)) / scale
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary, indent=2))
+    print(f"{args.steps} Adam steps, {'packed' if args.packed else 'padded'} microbatches; distance from the float64")
+    print(f"reference after the last step, {UNIT}:")
+    print(f"{'weighted':<10}{summary['weighted']:>10.2e}  ({args.engine}_weighted, z-loss under 'aux')")
+    print(f"{'plain':<10}{summary['plain']:>10.2e}  ({args.engine}, z-loss inside the loss)")
+    print(f"wrote {out / 'summary.json'}")
 
 
 if __name__ == "__main__":

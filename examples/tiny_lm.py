@@ -284,7 +284,7 @@ def report(args: argparse.Namespace, seconds: dict[str, float]) -> dict[str, Any
         writer.writerows(zip(*curves.values(), strict=True))
     audits = {run: rows(out / run / "metrics.csv", "audit/objective_error") for run in names[1:]}
 
-    figure, axes = plt.subplots(2, 2, figsize=(12, 8.5))
+    figure, axes = plt.subplots(2, 2, figsize=(12, 8.5), layout="constrained")  # room for every title
     (a, b), (c, d) = axes
     colors = dict(zip(names, ("black", "tab:red", "tab:blue"), strict=True))
     for run in names[1:]:
@@ -306,11 +306,10 @@ def report(args: argparse.Namespace, seconds: dict[str, float]) -> dict[str, Any
         axis.legend()
         axis.grid(alpha=0.3)
     figure.suptitle(
-        f"tiny GRU language model, {args.steps} optimizer steps, 2 CPU ranks of {names[1]!r} (rank 0 short sequences,"
-        f" rank 1 long ones), accumulate_grad_batches={args.accumulate}\nreference: 1 process, float64, each step on"
-        " the union of both ranks' microbatches"
+        f"tiny GRU language model, {args.steps} optimizer steps, 2 CPU ranks of {names[1]!r} and {names[2]!r}\n"
+        f"(rank 0 short sequences, rank 1 long ones), accumulate_grad_batches={args.accumulate}; reference: 1"
+        " process, float64,\neach step on the union of both ranks' microbatches"
     )
-    figure.tight_layout()
     figure.savefig(out / "tiny_lm.png", dpi=100)
     plt.close(figure)
 
@@ -366,7 +365,20 @@ def main() -> None:
             subprocess.run([sys.executable, __file__, *sys.argv[1:], "--run", run], check=True)
         seconds[run] = round(time.perf_counter() - start, 1)
     summary = report(args, seconds)
-    print(json.dumps(summary, indent=2))
+    names = runs(args)
+    print(f"{args.steps} optimizer steps; distance: ‖θ − θ_ref‖ / ‖θ_ref‖ (all parameters) from the float64 reference;")
+    print("loss: cross-entropy in nats, the mean over every valid target token of the step; audit: the largest")
+    print("ObjectiveAudit error max|g − g*| / max|g*| of the run (g*: the gradient of the global token mean)")
+    print(f"{'run':<16}{'final distance':>16}{'max distance':>14}{'final loss':>12}{'audit':>10}{'seconds':>9}")
+    for run in names:
+        measured = run != "reference"
+        final = f"{summary['final_distance'][run]:.2e}" if measured else "-"
+        largest = f"{summary['max_distance'][run]:.2e}" if measured else "-"
+        audits = summary["audit_objective_error"].get(run)
+        audit = f"{max(audits):.2e}" if audits else "-"
+        loss, took = summary["final_loss"][run], seconds[run]
+        print(f"{run:<16}{final:>16}{largest:>14}{loss:>12.6f}{audit:>10}{took:>9.1f}")
+    print(f"wrote {Path(args.out) / 'curves.csv'}, summary.json, tiny_lm.png and <run>/metrics.csv")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ Usage::
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 import warnings
@@ -79,6 +80,7 @@ def train(strategy: str) -> float:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # no options: `--help` only
     print(f"{'strategy':<20}{'w after one step':>18}{'expected':>10}")
     ok = True
     for strategy, expected in ((f"ddp_weighted_{LAUNCHER}", 9.75), (f"ddp_{LAUNCHER}", 9.8)):

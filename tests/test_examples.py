@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import sys
 from pathlib import Path
 
 import pytest
-from launcher import ROOT, run
+from launcher import ROOT, free_port, run
 
 STEPS = 12
 
@@ -29,16 +30,28 @@ def tiny_command(out: Path) -> list[str]:
         "--audit-every",
         "4",
         "--timeout",
-        "30",
+        "60",
     ]
 
 
 @pytest.fixture(scope="module")
-def tiny_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny_lm")
-    done = run(tiny_command(out), timeout=150)
+def tiny_lm_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The DDP and the FSDP2 variant, run side by side (each on its own port), each into its own folder: the
+    tests below read what each wrote."""
+    outs = {"ddp": tmp_path_factory.mktemp("tiny_lm"), "fsdp2": tmp_path_factory.mktemp("tiny_lm_fsdp2")}
+    commands = [tiny_command(outs["ddp"]), [*tiny_command(outs["fsdp2"]), "--sharded", "fsdp2"]]
+    done = run(commands, timeout=300, env=[{"MASTER_PORT": str(free_port())} for _ in commands])
     assert done.returncode == 0, done.stdout[-8000:]
-    return out
+    for out in outs.values():
+        assert (out / "summary.json").exists(), done.stdout[-8000:]
+    printed = re.split(r"^--- .* \(exit -?\d+\)\n", done.stdout, flags=re.M)[1:]  # each command's, in order
+    (outs["ddp"] / "stdout.txt").write_text(printed[0])
+    return outs
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tiny_lm_runs: dict[str, Path]) -> Path:
+    return tiny_lm_runs["ddp"]
 
 
 def rows(path: Path, column: str) -> list[dict[str, str]]:
@@ -70,6 +83,21 @@ def test_ddp_weighted_stays_on_the_reference_while_ddp_drifts_away(tiny_lm):
     assert loss_gap("ddp") > 1e-3
 
 
+def test_tiny_lm_prints_each_runs_distance_loss_and_audit_error_with_their_units(tiny_lm):
+    printed = (tiny_lm / "stdout.txt").read_text().splitlines()
+    assert any("‖θ − θ_ref‖ / ‖θ_ref‖" in line for line in printed)
+    assert any("cross-entropy in nats" in line for line in printed)
+    summary = json.loads((tiny_lm / "summary.json").read_text())
+    table = {line.split()[0]: line.split()[1:] for line in printed if line.startswith(("reference ", "ddp"))}
+    assert table["reference"][:2] == ["-", "-"]
+    for name in ("ddp", "ddp_weighted"):
+        final, largest, loss, audit = (float(value) for value in table[name][:4])
+        assert final == pytest.approx(summary["final_distance"][name], rel=1e-2)
+        assert largest == pytest.approx(summary["max_distance"][name], rel=1e-2)
+        assert loss == pytest.approx(summary["final_loss"][name], rel=1e-5)
+        assert audit == pytest.approx(max(summary["audit_objective_error"][name]), rel=1e-2)
+
+
 def test_the_audit_in_the_example_flags_ddp_and_passes_ddp_weighted(tiny_lm):
     errors = {}
     for name in ("ddp", "ddp_weighted"):
@@ -80,12 +108,11 @@ def test_the_audit_in_the_example_flags_ddp_and_passes_ddp_weighted(tiny_lm):
     assert max(errors["ddp_weighted"]) < 1e-4
 
 
-def test_the_fsdp2_variant_stays_on_the_reference_while_plain_fsdp2_drifts(tmp_path):
-    done = run([*tiny_command(tmp_path), "--sharded", "fsdp2"], timeout=200)
-    assert done.returncode == 0, done.stdout[-8000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+def test_the_fsdp2_variant_stays_on_the_reference_while_plain_fsdp2_drifts(tiny_lm_runs):
+    out = tiny_lm_runs["fsdp2"]
+    summary = json.loads((out / "summary.json").read_text())
     assert summary["max_distance"]["fsdp2_weighted"] < 1e-4  # fp32 rounding only (measured 8.5e-8)
     assert summary["final_distance"]["fsdp2"] > 1e-3  # measured 4.5e-2
     assert max(summary["audit_objective_error"]["fsdp2_weighted"]) < 1e-4
     assert min(summary["audit_objective_error"]["fsdp2"]) > 0.05
-    assert len(rows(tmp_path / "fsdp2_weighted" / "metrics.csv", "global_loss")) == STEPS
+    assert len(rows(out / "fsdp2_weighted" / "metrics.csv", "global_loss")) == STEPS

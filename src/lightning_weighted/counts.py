@@ -332,7 +332,7 @@ def decode(summed: Sequence[float], wording: Wording = TRAINER) -> GlobalCount:
         >>> decode([8.0, 0.0, 0.0, 0.0, 0.0, 2.0, 12.0, 0.0, 0.0, 0.0])
         GlobalCount(items=8.0, following=0.0, error=None, ranks_with_more=2, loss_sum=12.0, uncut=0)
         >>> decode([2.0, 0.0, 1.0, 16 + Problem.NEGATIVE, -3.0, 2.0, 0.0, 0.0, 1.0, 1.0]).error.args[0][:48]
-        "on rank 1, a microbatch's count is negative (-3."
+        "on rank 1, a microbatch's count is negative (-3)"
     """
     invalid, more = round(summed[Slot.INVALID]), round(summed[Slot.MORE])
     error: Exception | None = None
@@ -340,7 +340,7 @@ def decode(summed: Sequence[float], wording: Wording = TRAINER) -> GlobalCount:
     if invalid == 1:
         rank, kind = divmod(round(summed[Slot.CODE]), _KINDS)
         error_type, what = _MESSAGES[Problem(kind)]
-        what = what.format(value=summed[Slot.VALUE] if kind in _WITH_VALUE else None, source=wording.source)
+        what = what.format(value=shown(summed[Slot.VALUE]) if kind in _WITH_VALUE else None, source=wording.source)
         error = error_type(f"on rank {rank}, {what}. {wording.fix}.")
     elif invalid > 1 and kinds * kinds == invalid * squares:  # the sums of k and k² agree: one problem on all
         error_type, what = _MESSAGES[Problem(kinds // invalid)]
@@ -355,6 +355,20 @@ def decode(summed: Sequence[float], wording: Wording = TRAINER) -> GlobalCount:
 def code(rank: int, problem: int) -> float:
     """The payload's ``CODE`` of ``problem`` found on ``rank`` (0: the rank's part of the code alone)."""
     return float(rank * _KINDS + problem)
+
+
+def shown(value: float) -> int | float:
+    """A count as a message quotes it: a whole number as an int (``-29``, not ``-29.0``), any other as it is.
+
+    The payload carries every count as a float64, exact for whole numbers below 2**53; from there on a float
+    is quoted as a float (``1e+20``).
+
+    Example::
+
+        >>> shown(-29.0), shown(2.5), shown(float("nan")), shown(1e20)
+        (-29, 2.5, nan, 1e+20)
+    """
+    return int(value) if abs(value) < 2**53 and value.is_integer() else value
 
 
 def reported_value(problem: Problem, value: float) -> float:

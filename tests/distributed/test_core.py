@@ -147,11 +147,11 @@ def test_unsupported_combinations_are_refused_at_setup_on_every_rank(tmp_path, c
 @pytest.mark.parametrize(
     ("value", "error", "message", "precision"),
     [
-        (-3, "ValueError", "on rank 1, a microbatch's count is negative (-3.0)", "32-true"),
+        (-3, "ValueError", "on rank 1, a microbatch's count is negative (-3)", "32-true"),
         (float("nan"), "ValueError", "on rank 1, a microbatch's count is not finite (nan)", "32-true"),
         ("many", "TypeError", "on rank 1, a microbatch's count is not a number", "32-true"),
         (1e20, "ValueError", "on rank 1, the window's count reaches 2**53 (1e+20)", "32-true"),
-        (-3, "ValueError", "on rank 1, a microbatch's count is negative (-3.0)", "bf16-true"),
+        (-3, "ValueError", "on rank 1, a microbatch's count is negative (-3)", "bf16-true"),
     ],
 )
 def test_a_bad_count_on_one_rank_raises_the_same_error_on_every_rank_before_the_step(

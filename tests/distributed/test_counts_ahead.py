@@ -111,11 +111,11 @@ def test_one_payload_per_step_beyond_the_epochs_first_count(tmp_path):
     ("change", "error"),
     [
         # ItemCounter's count of rank 1's batch 3 is negative: known on the host before the window starts
-        ({"counter": "bad"}, "ValueError: on rank 1, a microbatch's count is negative (-1.0)"),
+        ({"counter": "bad"}, "ValueError: on rank 1, a microbatch's count is negative (-1)"),
         # training_step returns a count that disagrees with ItemCounter's on rank 1 only
         (
             {"bare_loss": False, "bad_count": [1, 3, 99]},
-            "ValueError: on rank 1, training_step returned a count (99.0) that differs from the one ItemCounter",
+            "ValueError: on rank 1, training_step returned a count (99) that differs from the one ItemCounter",
         ),
         # found once the window's counts were summed: the window's payload brings them
         ({"fault": ["none", 1, 3]}, "RuntimeError: on rank 1, training_step returned None instead of a loss"),

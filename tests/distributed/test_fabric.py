@@ -152,7 +152,7 @@ def test_a_window_without_items_leaves_params_and_optimizer_state_bit_identical(
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        (-3, "ValueError: on rank 1, a microbatch's count is negative (-3.0)."),
+        (-3, "ValueError: on rank 1, a microbatch's count is negative (-3)."),
         (float("nan"), "ValueError: on rank 1, a microbatch's count is not finite (nan)."),
         ("missing", "TypeError: on rank 1, fabric.backward got no count."),
     ],

@@ -57,7 +57,10 @@ def _records(out: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     return records, launches
 
 
-def torchrun_fit(config: Config, strategy: str, tmp_path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+Launch = tuple[list[list[str]], list[dict[str, str]], Path]  # the commands of one 2-node run, their envs, its out
+
+
+def torchrun_launch(config: Config, strategy: str, tmp_path: Path) -> Launch:
     """Two `torchrun --nnodes=2 --nproc_per_node=1 --node_rank=K` launches on this machine, one per node."""
     out = tmp_path / f"launch-{os.urandom(6).hex()}"
     port = free_port()
@@ -75,11 +78,10 @@ def torchrun_fit(config: Config, strategy: str, tmp_path: Path) -> tuple[list[di
         ]
         for node in range(2)
     ]
-    run_together(commands, [{}, {}])
-    return _records(out)
+    return commands, [{}, {}], out
 
 
-def slurm_fit(config: Config, tmp_path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def slurm_launch(config: Config, tmp_path: Path) -> Launch:
     """Two processes with the variables `srun` gives two single-task nodes, started directly (no launcher)."""
     out = tmp_path / f"launch-{os.urandom(6).hex()}"
     port = str(free_port())
@@ -95,8 +97,24 @@ def slurm_fit(config: Config, tmp_path: Path) -> tuple[list[dict[str, Any]], lis
     envs = [{**job, "SLURM_PROCID": str(rank), "SLURM_NODEID": str(rank), "SLURM_LOCALID": "0"} for rank in range(2)]
     # SLURMEnvironment takes the address from the first host of SLURM_NODELIST
     command = [sys.executable, *_worker_arguments(config, out, "ddp_weighted", instance=True)]
-    run_together([command, command], envs)
-    return _records(out)
+    return [command, command], envs, out
+
+
+@pytest.fixture(scope="module")
+def two_node_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[dict[str, Any]], ...]]:
+    """The three 2-node launches the tests below check, started side by side (each on its own port): every
+    run's records and launch variables."""
+    tmp_path = tmp_path_factory.mktemp("launch")
+    launches = {
+        "torchrun ddp_weighted": torchrun_launch(CONFIG, "ddp_weighted", tmp_path),
+        "torchrun ddp": torchrun_launch(CONFIG, "ddp", tmp_path),
+        "slurm ddp_weighted": slurm_launch(CONFIG, tmp_path),
+    }
+    run_together(
+        [command for commands, _, _ in launches.values() for command in commands],
+        [env for _, envs, _ in launches.values() for env in envs],
+    )
+    return {name: _records(out) for name, (_, _, out) in launches.items()}
 
 
 def _assert_two_node_launch(launches: list[dict[str, Any]], environment: str, strategy: str) -> None:
@@ -116,23 +134,23 @@ def _assert_matches_reference(records: list[dict[str, Any]], expected: dict[str,
     assert [step["norm"] for step in records[0]["steps"]] == pytest.approx(expected["norms"], rel=1e-5)
 
 
-def test_two_torchrun_nodes_train_ddp_weighted_like_the_float64_reference(tmp_path: Path) -> None:
-    records, launches = torchrun_fit(CONFIG, "ddp_weighted", tmp_path)
+def test_two_torchrun_nodes_train_ddp_weighted_like_the_float64_reference(two_node_runs) -> None:
+    records, launches = two_node_runs["torchrun ddp_weighted"]
 
     _assert_two_node_launch(launches, "TorchElasticEnvironment", "WeightedDDPStrategy")
     _assert_matches_reference(records, reference(CONFIG))
 
 
-def test_two_torchrun_nodes_with_plain_ddp_miss_the_same_reference(tmp_path: Path) -> None:
-    records, launches = torchrun_fit(CONFIG, "ddp", tmp_path)
+def test_two_torchrun_nodes_with_plain_ddp_miss_the_same_reference(two_node_runs) -> None:
+    records, launches = two_node_runs["torchrun ddp"]
 
     _assert_two_node_launch(launches, "TorchElasticEnvironment", "DDPStrategy")
     # the check above can fail: plain DDP's mean of rank means re-weights the items
     assert max_relative_error(records[0]["params"], reference(CONFIG)["params"]) > 1e-2
 
 
-def test_two_slurm_tasks_on_two_nodes_train_like_the_float64_reference(tmp_path: Path) -> None:
-    records, launches = slurm_fit(CONFIG, tmp_path)
+def test_two_slurm_tasks_on_two_nodes_train_like_the_float64_reference(two_node_runs) -> None:
+    records, launches = two_node_runs["slurm ddp_weighted"]
 
     _assert_two_node_launch(launches, "SLURMEnvironment", "WeightedDDPStrategy")
     _assert_matches_reference(records, reference(CONFIG))

@@ -115,11 +115,11 @@ def test_counted_ahead_masked_microbatches_exhausted_ranks_and_empty_windows_con
     ("change", "error"),
     [
         # ItemCounter's count of rank 1's batch 3 is negative: known on the host before the window starts
-        ({"counter": "bad"}, "ValueError: on rank 1, a microbatch's count is negative (-1.0)"),
+        ({"counter": "bad"}, "ValueError: on rank 1, a microbatch's count is negative (-1)"),
         # found after the window's counts were summed ahead: the payload names the rank and the value
         (
             {"counter": "quiet", "bad_count": [1, 3, 99]},
-            "ValueError: on rank 1, training_step returned a count (99.0) that differs from the one ItemCounter",
+            "ValueError: on rank 1, training_step returned a count (99) that differs from the one ItemCounter",
         ),
     ],
 )
@@ -151,7 +151,7 @@ def test_strict_participation_names_each_ranks_batch_count(tmp_path, strategy):
 @pytest.mark.parametrize(
     ("value", "error", "message"),
     [
-        (-3, "ValueError", "on rank 1, a microbatch's count is negative (-3.0)"),
+        (-3, "ValueError", "on rank 1, a microbatch's count is negative (-3)"),
         (float("inf"), "ValueError", "on rank 1, a microbatch's count is not finite (inf)"),
         ("many", "TypeError", "on rank 1, a microbatch's count is not a number"),
     ],

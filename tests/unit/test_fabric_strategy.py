@@ -58,7 +58,7 @@ def test_fabric_builds_the_strategy_from_its_name(name):
     ("problem", "value", "error", "match"),
     [
         (Problem.MISSING, math.nan, TypeError, r"on rank 1, fabric\.backward got no count\. Pass each micro"),
-        (Problem.NEGATIVE, -3.0, ValueError, r"count is negative \(-3\.0\)\. Pass .* `fabric\.backward\(loss, c"),
+        (Problem.NEGATIVE, -3.0, ValueError, r"count is negative \(-3\)\. Pass .* `fabric\.backward\(loss, c"),
         (Problem.NO_GRAPH, math.nan, RuntimeError, r"on rank 1, fabric\.backward got a loss that is not attac"),
     ],
 )

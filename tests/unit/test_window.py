@@ -282,7 +282,7 @@ def test_split_output_finds_the_loss_and_whether_it_is_an_item_sum():
 @pytest.mark.parametrize(
     ("problem", "value", "error", "match"),
     [
-        (Problem.NEGATIVE, -3.0, ValueError, r"on rank 1, a microbatch's count is negative \(-3\.0\)\. Return"),
+        (Problem.NEGATIVE, -3.0, ValueError, r"on rank 1, a microbatch's count is negative \(-3\)\. Return"),
         (Problem.NOT_FINITE, math.nan, ValueError, r"on rank 1, a microbatch's count is not finite \(nan\)"),
         (Problem.NOT_A_NUMBER, math.nan, TypeError, r"on rank 1, a microbatch's count is not a number"),
         (Problem.NO_LOSS, math.nan, RuntimeError, r"on rank 1, training_step returned None instead of a loss"),
@@ -291,7 +291,7 @@ def test_split_output_finds_the_loss_and_whether_it_is_an_item_sum():
         (Problem.TOO_LARGE, 1e20, ValueError, r"on rank 1, the window's count reaches 2\*\*53 \(1e\+20\)"),
         (Problem.REDUCTION, math.nan, ValueError, r"on rank 1, training_step returned a 'reduction' that is"),
         (Problem.MISSING, math.nan, TypeError, r"on rank 1, training_step returned no count"),
-        (Problem.DISAGREES, 99.0, ValueError, r"on rank 1, training_step returned a count \(99\.0\) that differs"),
+        (Problem.DISAGREES, 99.0, ValueError, r"on rank 1, training_step returned a count \(99\) that differs"),
     ],
 )
 def test_one_bad_rank_gives_the_same_error_naming_rank_value_and_fix_everywhere(problem, value, error, match):
@@ -303,6 +303,18 @@ def test_one_bad_rank_gives_the_same_error_naming_rank_value_and_fix_everywhere(
         with pytest.raises(error, match=match):
             window.finish(summed, step=0)
     assert decode(summed).items == 4.0  # the bad count never enters N
+
+
+@pytest.mark.parametrize(
+    ("value", "quoted"),
+    [(-29, r"\(-29\)\."), (-29.0, r"\(-29\)\."), (-2.5, r"\(-2\.5\)\."), (-(2.0**60), r"\(-1\.15292\d+e\+18\)\.")],
+)
+def test_a_count_is_quoted_as_given_a_whole_number_without_a_decimal_point(value, quoted):
+    window = Window()
+    window.reject(Problem.NEGATIVE, value)
+    summed = _sum([window.payload(0, True, CPU)])  # the payload carries it as a float64
+    with pytest.raises(ValueError, match=r"on rank 0, a microbatch's count is negative " + quoted):
+        window.finish(summed, step=0)
 
 
 def test_an_invalid_count_becomes_the_windows_problem_and_adds_nothing():
