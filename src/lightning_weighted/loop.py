@@ -151,6 +151,18 @@ class WindowLoop:
             else:
                 self.aux = torch.stack([term.reshape(()) for term in aux.values()]).sum() * share
 
+    def drop(self) -> None:
+        """Forgets the window in progress: Lightning ended the epoch inside it and drops its gradient.
+
+        ``on_train_batch_start`` returned -1: Lightning steps no optimizer for the half window, and the next epoch's
+        first batch zeroes its gradient, so its counts must not reach the next window either. No exchange has
+        started (it starts at a window's last backward). Counted ahead, the next epoch's first window is planned
+        anew.
+        """
+        assert self._exchange is None
+        self._window, self._planned, self.padding_step = None, deque(), False
+        self._reference.microbatches = 0
+
     def window(self) -> Window:
         """The window in progress (a new one, counted after, where none is)."""
         if self._window is None:
