@@ -35,6 +35,7 @@ class BackwardConfig:
     safe_mean: bool = True  # a fully masked mean divides by max(n, 1); False: 0/0 = NaN
     sparse: bool = False  # an nn.Embedding(sparse=True) in the model (DDP only: FSDP has no sparse gradients)
     float64: bool = True  # the model and batches in float64 (FSDP1 keeps float32 parameters)
+    counter: bool = False  # Trainer: an ItemCounter counts the mask ahead and training_step returns the loss alone
     lr: float = 0.1
     pg_timeout: float = 30.0
 
@@ -149,7 +150,7 @@ def run_trainer(config: BackwardConfig, out: str) -> None:
 
         def training_step(self, batch: Batch, batch_idx: int) -> Any:
             loss, n = step_loss(config, self.model, _cast(config, batch), self.all_gather)
-            return loss if config.strategy == "ddp" else {"loss": loss, "count": n}
+            return loss if config.strategy == "ddp" or config.counter else {"loss": loss, "count": n}
 
         def train_dataloader(self) -> Any:
             return _loader(config, self.global_rank)
@@ -180,8 +181,10 @@ def run_trainer(config: BackwardConfig, out: str) -> None:
         )
     else:
         strategy = lightning_weighted.WeightedFSDPStrategy(timeout=timeout, auto_wrap_policy={nn.Linear})
+    counters = [lightning_weighted.ItemCounter("tokens", key=2, mask=True, log=False)] if config.counter else []
     trainer = Trainer(
         strategy=strategy,
+        callbacks=counters,
         accelerator="cpu",
         devices=config.world_size,
         max_epochs=1,

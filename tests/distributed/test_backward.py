@@ -24,23 +24,24 @@ def train(config: BackwardConfig, tmp_path: Path, expect_failure: bool = False) 
 
 
 @pytest.mark.parametrize(
-    ("strategy", "sparse", "float64"),
+    ("strategy", "sparse", "float64", "counter"),
     [
-        ("ddp_weighted", True, True),
-        ("fsdp2_weighted", False, True),  # FSDP1 and FSDP2 refuse sparse gradients
-        ("fsdp_weighted", False, False),  # FSDP1 keeps float32 parameters
-        ("fabric_ddp_weighted", True, True),
-        ("fabric_fsdp2_weighted", False, True),
+        ("ddp_weighted", True, True, False),
+        ("ddp_weighted", True, True, True),  # counted ahead by an ItemCounter
+        ("fsdp2_weighted", False, True, False),  # FSDP1 and FSDP2 refuse sparse gradients
+        ("fsdp_weighted", False, False, False),  # FSDP1 keeps float32 parameters
+        ("fabric_ddp_weighted", True, True, False),
+        ("fabric_fsdp2_weighted", False, True, False),
     ],
 )
 def test_an_empty_microbatch_and_a_replay_run_their_backward_collectives_and_add_nothing(
-    tmp_path, strategy, sparse, float64
+    tmp_path, strategy, sparse, float64, counter
 ):
     # rank 0 holds 3 microbatches, rank 1 holds 4 (rank 0 replays its last one, counted 0, in the second window);
     # rank 0's microbatch 1 has every token masked (counted 0 on the host). Both run their backward through the
     # centring all-reduce and the gathered term, which the other rank's backward waits in, and their own loss adds
     # nothing; what the other rank's loss sends through their rows stays, as in the reference.
-    config = BackwardConfig(strategy=strategy, sparse=sparse, float64=float64)
+    config = BackwardConfig(strategy=strategy, sparse=sparse, float64=float64, counter=counter)
     ranks = train(config, tmp_path)
     expected = reference(config)
     for params in ranks:
