@@ -295,7 +295,7 @@ class Slot(IntEnum):
     VALUE = 4  # the offending value
     MORE = 5  # 1 if this rank holds real batches after this window
     LOSS = 6  # Σ_m n_m · loss_m over this rank's window (the item sum, for a loss that is one)
-    UNCUT = 7  # 1 if a microbatch counted 0 on the device had a non-finite loss (its backward ran: see `loop`)
+    UNCUT = 7  # 1 if a microbatch counted 0 had a non-finite loss (its backward ran: see `loop`)
     KIND = 8  # the problem's number: summed with KIND_SQUARED, it names the problem several ranks share
     KIND_SQUARED = 9
 
@@ -313,7 +313,7 @@ class GlobalCount:
         error: the one error every rank raises, or ``None``.
         ranks_with_more: how many ranks hold real batches after this window.
         loss_sum: ``Σ_r Σ_m n_rm · loss_rm``.
-        uncut: how many ranks backpropagated a non-finite loss whose count on the device was 0.
+        uncut: how many ranks backpropagated a non-finite loss whose count was 0.
     """
 
     items: float

@@ -151,6 +151,18 @@ class WindowLoop:
             else:
                 self.aux = torch.stack([term.reshape(()) for term in aux.values()]).sum() * share
 
+    def drop(self) -> None:
+        """Forgets the window in progress: Lightning ended the epoch inside it and drops its gradient.
+
+        ``on_train_batch_start`` returned -1: Lightning steps no optimizer for the half window, and the next epoch's
+        first batch zeroes its gradient, so its counts must not reach the next window either. No exchange has
+        started (it starts at a window's last backward). Counted ahead, the next epoch's first window is planned
+        anew.
+        """
+        assert self._exchange is None
+        self._window, self._planned, self.padding_step = None, deque(), False
+        self._reference.microbatches = 0
+
     def window(self) -> Window:
         """The window in progress (a new one, counted after, where none is)."""
         if self._window is None:
@@ -160,13 +172,17 @@ class WindowLoop:
     def scaled(self, loss: Tensor, multiplier: float = 1.0) -> Tensor:
         """The loss to backpropagate: ``loss · factor · multiplier``, plus the microbatch's weighted auxiliary terms.
 
-        A factor 0 gives the engine's exact zero instead of the product.
+        A factor 0 (a count of 0 on the host, a replay) gives the engine's ``0 · loss``, whose backward runs through
+        the microbatch's own graph and adds nothing of its own (:meth:`Engine.empty`).
         """
         factor = self.factor
         if isinstance(factor, Tensor):  # a count on the device: never compared on the host
             scaled = loss * (factor if multiplier == 1 else factor * multiplier)
-        elif factor == 0:
-            scaled = self.refused(loss) if loss.grad_fn is None else self.engine.empty(loss)
+        elif factor == 0 and loss.grad_fn is None:
+            scaled = self.refused(loss)
+        elif factor == 0:  # its backward runs through its own graph, adding nothing of its own
+            self.window().empty(loss)
+            scaled = self.engine.empty(loss)
         else:
             scaled = loss if factor * multiplier == 1 else loss * (factor * multiplier)
         return scaled if self.aux is None else scaled + self.aux
@@ -305,25 +321,29 @@ def _first_reference(count: Count | None, device: torch.device, group: dist.Proc
 
 
 def _check_uncut(engine: Engine, ranks: int, device: torch.device) -> None:
-    """Raises on every rank where a microbatch counted 0 on the device put non-finite values into the gradients.
+    """Raises on every rank where a microbatch counted 0 with a non-finite loss put non-finite values into gradients.
 
-    Its count stayed on the device, so its loss was multiplied by 0 rather than cut out of the graph: exact for a
-    loss whose gradient is finite where nothing is counted (PyTorch's losses with ``ignore_index`` or weights are),
-    NaN for a mean that divides by the count (0/0).
+    Counted 0 on the host (or a replay), its backward runs through its own graph and the engine cuts its own NaN
+    (0/0) out of its gradients: exact, unless a collective of the model's backward carried the NaN to the other
+    ranks. Counted 0 on the device, its loss was multiplied by 0, not cut: exact for a loss whose gradient is finite
+    where nothing is counted (PyTorch's losses with ``ignore_index`` or weights are), NaN for a mean that divides by
+    the count (0/0).
     """
     flag = torch.zeros(1, dtype=torch.float64, device=device)
     for param in engine.parameters():
         grad = param.grad
         if grad is not None:
-            flag += (~torch.isfinite(grad.to_local() if hasattr(grad, "to_local") else grad)).any()
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            flag += (~torch.isfinite(local._values() if local.is_sparse else local)).any()
     dist.all_reduce(flag, group=engine.group)
     if flag.item() == 0:
         return
     raise RuntimeError(
         f"On {ranks} rank(s), a microbatch whose count is 0 has a non-finite loss (the mean of a fully masked batch,"
-        " 0/0), and its backward put NaN into the gradients; nothing was stepped. Its count was a tensor, which the"
-        " strategy does not read on the host (a device synchronisation), so it multiplied the loss by 0 instead of"
-        " cutting it out of the graph. Make the mean finite where nothing is counted (divide by `n.clamp(min=1)`,"
-        " or use `F.cross_entropy(..., ignore_index=-100)`, whose gradient is then 0), return the count as a Python"
-        " number, or count with `ItemCounter`."
+        " 0/0), and NaN reached the gradients; nothing was stepped. Either a collective in the model's backward"
+        " (SyncBatchNorm, `all_gather(..., sync_grads=True)`) carried it to the other ranks, or its count was a"
+        " tensor, which the strategy does not read on the host (a device synchronisation), so the loss was"
+        " multiplied by 0 rather than cut out of the gradients. Make the loss finite where nothing is counted: divide"
+        " by `n.clamp(min=1)` (`max(n, 1)`), return the sum with `'reduction': 'sum'`, or use"
+        " `F.cross_entropy(..., ignore_index=-100)`, whose gradient is then 0."
     )

@@ -53,7 +53,7 @@ class WindowResult:
         ranks_with_more: how many ranks hold real batches after this window.
         ranks: :math:`P`, the ranks whose counts were summed (the data-parallel ones).
         following: counted ahead: the next window's ``N`` (0 where there is none).
-        uncut: how many ranks backpropagated a non-finite loss whose count on the device was 0.
+        uncut: how many ranks backpropagated a non-finite loss whose count was 0.
     """
 
     step: int
@@ -162,6 +162,18 @@ class Window:
             return torch.where(self.total > 0, weight * self.divisor / self.total, 0.0)
         return weight * self.divisor / self.total if self.total > 0 else 0.0
 
+    def empty(self, loss: Tensor) -> None:
+        """Notes the loss of a microbatch that holds nothing and backpropagates all the same: whether it is finite.
+
+        Its own NaN never reaches the gradients (:mod:`lightning_weighted.engines`); a collective of the model's
+        backward may carry it to the other ranks, which the window's end then checks (``UNCUT``).
+        """
+        self._flag((~torch.isfinite(loss.detach())).any().double())
+
+    def _flag(self, value: Tensor) -> None:
+        held = self._device.get(Slot.UNCUT)
+        self._device[Slot.UNCUT] = value if held is None else torch.maximum(held, value)
+
     def _accumulate(self, slot: Slot, value: Tensor) -> None:
         held = self._device.get(slot)
         self._device[slot] = value if held is None else held + value
@@ -249,7 +261,9 @@ class Window:
                 weights = torch.where(torch.tensor(sums, device=n.device), valid.double(), counted)
             loss = torch.where(valid, losses * weights, 0.0).sum()  # an inf loss of no count: 0
             fields[Slot.LOSS] = loss if Slot.LOSS not in fields else fields[Slot.LOSS] + loss
-            fields[Slot.UNCUT] = (~torch.isfinite(torch.where(valid, 0.0, losses).sum())).double()
+            uncut = (~torch.isfinite(torch.where(valid, 0.0, losses).sum())).double()
+            held = fields.get(Slot.UNCUT)
+            fields[Slot.UNCUT] = uncut if held is None else torch.maximum(held, uncut)
         if self.problem is None:
             first = (problems > 0).double().argmax()  # the window's first problem (the first microbatch if none)
             kind, value = torch.take(problems, first), torch.take(n, first)

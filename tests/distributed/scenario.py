@@ -77,6 +77,7 @@ class Config:
     read_in_step: bool = False  # training_step reads its count on the host (a synchronisation on a GPU)
     aux: str | None = None  # auxiliary terms: "parts" returns them in "aux", "inside" adds them into "loss"
     tied: bool = False  # a model whose first and second layers share their weight
+    end_epoch_at: Sequence[int] | None = None  # (epoch, batch_idx) where on_train_batch_start returns -1 (every rank)
 
 
 def make_model(seed: int, tied: bool = False) -> nn.Module:
@@ -220,6 +221,9 @@ class WeightedModule(LightningModule):
             count = self.config.bad_count[2]
         return {"loss": mean, "count": count}
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        return -1 if [self.current_epoch, batch_idx] == list(self.config.end_epoch_at or ()) else None
+
     def on_before_backward(self, loss: Tensor) -> None:
         if self.config.fault is not None and self.config.fault[2] == self.trainer.fit_loop.epoch_loop.batch_idx:
             inject(self.config.fault, self.global_rank, "before_backward")
@@ -346,6 +350,9 @@ def reference(config: Config) -> dict[str, Any]:
     for epoch in range(config.epochs):
         per_rank = [make_batches(config, r, epoch) for r in range(config.world_size)]
         for window in windows(config, epoch):
+            ends = config.end_epoch_at
+            if ends is not None and ends[0] == epoch and window.stop > ends[1]:
+                break  # the module ends the epoch there: Lightning steps no window it cut, and drops its gradient
             held = [per_rank[r][k] for r in range(config.world_size) for k in window if k < len(per_rank[r])]
             x = torch.cat([b[0] for b in held]).double()
             y = torch.cat([b[1] for b in held]).double()

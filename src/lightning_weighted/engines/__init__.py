@@ -5,8 +5,12 @@ The window loop (:mod:`lightning_weighted.loop`) needs four things of an engine,
 - :attr:`Engine.divisor`, :math:`D`: what its reduction divides the SUM of the ranks' gradients by (the number of
   data-parallel ranks for an average, as DDP's and FSDP's own reductions are), and :attr:`Engine.group`, the
   data-parallel ranks, over which a window's counts are summed;
-- :meth:`Engine.empty`: the loss that backpropagates exactly nothing for a microbatch known on the host to hold
-  no item, whose mean may be NaN (0/0 over a fully masked batch), while every collective of its backward runs;
+- :meth:`Engine.empty`: the loss of a microbatch known on the host to hold no item (a count of 0, a replay), whose
+  backward runs through its own forward's graph, as under plain DDP, so that every collective of the model's
+  backward (SyncBatchNorm's, an ``all_gather(..., sync_grads=True)``'s) runs and a sparse gradient stays sparse, and
+  adds nothing of its own to the gradients even where its mean is NaN (0/0 over a fully masked batch): each
+  gradient on its way in keeps only its finite values (:func:`finite_gradients`), so what a collective brings from
+  the other ranks' losses stays (where one carries the NaN to them, every rank raises at the window's end);
 - :meth:`Engine.parameters`: the trained parameters, whose local gradients (a shard each, when sharded) the loop
   multiplies by :math:`D c / N` where the counts came after the forward, or drops where :math:`N = 0`.
 
@@ -16,12 +20,15 @@ To add an engine, write one file here with such an object and the strategy class
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import partial
 from typing import Protocol
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "finite_gradients"]
 
 
 class Engine(Protocol):
@@ -33,9 +40,11 @@ class Engine(Protocol):
     needs_graph: bool  # every microbatch must backpropagate through the model (a sharded model's collectives)
 
     def empty(self, loss: Tensor | None) -> Tensor:
-        """An exact zero standing for ``loss`` in the backward of a microbatch that holds no item.
+        """``0 · loss``, backpropagated through ``loss``'s graph for a microbatch that holds no item.
 
-        ``loss`` has a graph where :attr:`needs_graph` is set; elsewhere it may be ``None`` or have none.
+        The gradients its own loss sends (NaN for 0/0) reach no parameter until :meth:`after_backward`. ``loss``
+        has a graph where :attr:`needs_graph` is set; elsewhere it may be ``None`` or have none (a microbatch the
+        window refuses), for which a zero built from the parameters stands.
         """
 
     def after_backward(self) -> None:
@@ -43,3 +52,24 @@ class Engine(Protocol):
 
     def parameters(self) -> Iterable[Tensor]:
         """The trained parameters (the gradients of their local shards are the ones the loop touches)."""
+
+
+def finite_gradients(tensors: Iterable[Tensor]) -> list[RemovableHandle]:
+    """Keeps only the finite values of each gradient computed for ``tensors`` (before it accumulates).
+
+    Until the handles go, an empty microbatch's own NaN (``0 · (1/0)``) becomes 0; sparse gradients stay sparse.
+    Where its loss is finite, ``0 · loss`` already sends exact zeros, and a gradient a collective of the model's
+    backward brings from the other ranks' losses (SyncBatchNorm's statistics) passes unchanged.
+
+    Example::
+
+        >>> weight = torch.nn.Parameter(torch.ones(2))
+        >>> handles = finite_gradients([weight])
+        >>> ((weight * torch.tensor([1.0, 2.0])).sum() * 0.0 / 0.0).backward()  # a fully masked mean: 0/0
+        >>> for handle in handles:
+        ...     handle.remove()
+        >>> weight.grad
+        tensor([0., 0.])
+    """
+    keep_finite = partial(torch.nan_to_num, nan=0.0, posinf=0.0, neginf=0.0)
+    return [tensor.register_hook(keep_finite) for tensor in tensors]  # type: ignore[no-untyped-call]

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_weighted.engines import finite_gradients
 
 __all__ = ["DDPEngine", "fp16_backward", "zero_loss"]
 
@@ -17,7 +19,7 @@ class DDPEngine:
 
     Args:
         ddp: the wrapped model; its reducer averages over its process group (:math:`D = P`).
-        module: the module it wraps, whose trainable parameters an empty microbatch's zero reaches.
+        module: the module it wraps, whose trainable parameters a refused microbatch's zero reaches.
         mean_sized: keep losses the size of a mean (an fp16 backward).
     """
 
@@ -27,55 +29,43 @@ class DDPEngine:
         self.group: dist.ProcessGroup | None = getattr(ddp, "process_group", None)
         self.divisor = dist.get_world_size(self.group)
         self._parameters = tuple(ddp.parameters())  # DDP's parameters are fixed once it wraps the model
+        self._zeroing: list[RemovableHandle] = []
 
     def empty(self, loss: Tensor | None) -> Tensor:
-        """See :func:`zero_loss`."""
-        return zero_loss(loss, self.module)
+        """``0 · loss`` through its own graph; each parameter keeps the finite values of its gradient.
+
+        DDP's reducer sees every parameter of the graph ready, sparse ones sparse (see
+        :mod:`lightning_weighted.engines`). A loss without a graph (a microbatch the window refuses) becomes
+        :func:`zero_loss`.
+        """
+        if loss is None or loss.grad_fn is None:
+            return zero_loss(self.module)
+        self._zeroing = finite_gradients(p for p in self._parameters if p.requires_grad)
+        return loss.sum() * 0.0
 
     def after_backward(self) -> None:
-        """Nothing to undo: :meth:`empty` only builds a loss."""
+        """Removes the hooks of an empty microbatch."""
+        for handle in self._zeroing:
+            handle.remove()
+        self._zeroing = []
 
     def parameters(self) -> Iterable[Tensor]:
         """The wrapped model's parameters."""
         return self._parameters
 
 
-def zero_loss(loss: Tensor | None, module: nn.Module) -> Tensor:
-    """An exact zero that reaches the parameters ``loss`` depends on (all trainable ones if it has no graph).
-
-    Backpropagating ``0 * loss`` through a fully masked mean sends ``0 * (1/0) = NaN`` into the gradient;
-    touching the parameters directly gives DDP the same set of ready parameters and exact zeros.
+def zero_loss(module: nn.Module) -> Tensor:
+    """An exact zero that reaches every trainable parameter of ``module``: a loss for a microbatch that gave none.
 
     Example::
 
-        >>> weight = nn.Parameter(torch.ones(2))
-        >>> nan_mean = (weight * 0.0).sum() / 0.0
-        >>> zero_loss(nan_mean, nn.Linear(1, 1)).backward()
-        >>> weight.grad
-        tensor([0., 0.])
+        >>> layer = nn.Linear(2, 1)
+        >>> zero_loss(layer).backward()
+        >>> layer.weight.grad
+        tensor([[0., 0.]])
     """
-    if loss is not None and loss.grad_fn is not None:
-        params = _graph_parameters(loss)
-    else:
-        params = [param for param in module.parameters() if param.requires_grad]
+    params = [param for param in module.parameters() if param.requires_grad]
     return torch.stack([param.sum().float() * 0.0 for param in params]).sum()
-
-
-def _graph_parameters(loss: Tensor) -> list[Tensor]:
-    """The leaf tensors that require grad and that ``loss`` was computed from."""
-    params: list[Tensor] = []
-    seen: set[Any] = set()
-    stack = [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if isinstance(variable, Tensor):
-            params.append(variable)
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return params
 
 
 def fp16_backward(plugin: object) -> bool:

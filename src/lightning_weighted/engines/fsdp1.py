@@ -2,9 +2,10 @@
 
 The hook (registered on the root before its first forward) replaces FSDP1's division by the world size, so the
 sharded gradient is the SUM over the ranks (:math:`D = 1`). Under ``no_sync`` it runs once per window, on the
-gradient accumulated over the window's microbatches, so a microbatch known to hold no item is zeroed before it
-accumulates, on FSDP1's flat parameters. Sharded strategies only (``FULL_SHARD``, ``SHARD_GRAD_OP``): FSDP1 refuses
-hooks for the hybrid ones, and ``NO_SHARD`` would SUM an accumulated gradient twice.
+gradient accumulated over the window's microbatches, so a microbatch known to hold no item backpropagates
+``0 · loss``, whose own NaN (0/0) is cut before it accumulates, on FSDP1's flat parameters. Sharded strategies only
+(``FULL_SHARD``, ``SHARD_GRAD_OP``): FSDP1 refuses hooks for the hybrid ones, and ``NO_SHARD`` would SUM an
+accumulated gradient twice.
 """
 
 from __future__ import annotations
@@ -12,14 +13,14 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable
 
-import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_weighted._compat import flat_parameters, reduce_scatter
+from lightning_weighted.engines import finite_gradients
 
-__all__ = ["FSDP1Engine", "zero_gradients"]
+__all__ = ["FSDP1Engine"]
 
 
 class FSDP1Engine:
@@ -46,9 +47,9 @@ class FSDP1Engine:
             _HOOKED.add(first)
 
     def empty(self, loss: Tensor | None) -> Tensor:
-        """``0 · loss``; the gradient reaching the flat parameters is zeros until :meth:`after_backward`."""
+        """``0 · loss`` through its own graph; the flat parameters keep the finite values of their gradients."""
         assert loss is not None  # the loop refuses a step without a graph first (`needs_graph`)
-        self._zeroing = zero_gradients(flat_parameters(self.root))
+        self._zeroing = finite_gradients(flat_parameters(self.root))
         return loss.sum() * 0.0
 
     def after_backward(self) -> None:
@@ -76,19 +77,3 @@ def _sum_reduce_scatter(engine: FSDP1Engine, grad: Tensor, output: Tensor | None
             " (NO_SHARD). Use a sharded strategy ('FULL_SHARD' or 'SHARD_GRAD_OP'), or 'ddp_weighted'."
         )
     reduce_scatter(output, grad, engine.group, dist.ReduceOp.SUM)
-
-
-def zero_gradients(tensors: Iterable[Tensor]) -> list[RemovableHandle]:
-    """Replaces the gradient computed for each tensor by exact zeros (before it accumulates), until the handles go.
-
-    Example::
-
-        >>> weight = torch.nn.Parameter(torch.ones(2))
-        >>> handles = zero_gradients([weight])
-        >>> (weight * torch.tensor(float("nan"))).sum().backward()
-        >>> for handle in handles:
-        ...     handle.remove()
-        >>> weight.grad
-        tensor([0., 0.])
-    """
-    return [tensor.register_hook(torch.zeros_like) for tensor in tensors]  # type: ignore[no-untyped-call]

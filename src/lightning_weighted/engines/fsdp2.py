@@ -1,9 +1,9 @@
-r"""FSDP2 (``fully_shard``): every ``FSDPModule`` SUM-reduces, and an empty microbatch reaches it as exact zeros.
+r"""FSDP2 (``fully_shard``): every ``FSDPModule`` SUM-reduces, and an empty microbatch's own NaN never reaches it.
 
 Each ``FSDPModule`` gets a divide factor of 1 with SUM-only reductions (:math:`D = 1`; no ``PREMUL_SUM``, which
-gloo lacks) and a reduce-scatter that zeroes a microbatch known to hold no item on its way in: its mean may be NaN
-(0/0), and its backward must still run, since its all-gathers and reduce-scatters are collectives every rank takes
-part in. Counts are summed over the data-parallel ranks only (replicate × shard with HSDP), never over
+gloo lacks) and a reduce-scatter that cuts the non-finite values of a microbatch known to hold no item: its mean
+may be NaN (0/0), and its backward must still run, since its all-gathers and reduce-scatters are collectives every
+rank takes part in. Counts are summed over the data-parallel ranks only (replicate × shard with HSDP), never over
 tensor-parallel peers, which hold the same batch. The worked trace on 2 ranks, counted after: the SUM gives
 :math:`2 \cdot 1 + 6 \cdot 3 = 20` on every shard, times :math:`D c / N = 1/8`: 2.5.
 """
@@ -52,7 +52,7 @@ class FSDP2Engine:
         from torch.distributed.fsdp import FSDPModule
 
         self.module, self.group = module, group
-        self.zeroing = False  # while True, a local gradient on its way into a reduction becomes exact zeros
+        self.zeroing = False  # while True, a local gradient on its way into a reduction keeps its finite values
         modules = [child for child in module.modules() if isinstance(child, FSDPModule)]
         if not modules:
             raise ValueError(
@@ -73,7 +73,7 @@ class FSDP2Engine:
                 fsdp.set_all_reduce_hook(self._zero)  # one rank: FSDP copies instead of reduce-scattering
 
     def empty(self, loss: Tensor | None) -> Tensor:
-        """``0 · loss``, whose backward (NaN for a fully masked mean) reaches the reductions as exact zeros."""
+        """``0 · loss``, whose backward's own NaN (a fully masked mean) reaches the reductions as zeros."""
         assert loss is not None  # the loop refuses a step without a graph first (`needs_graph`)
         self.zeroing = True
         return loss.sum() * 0.0
@@ -87,8 +87,8 @@ class FSDP2Engine:
         return self.module.parameters()
 
     def _zero(self, tensor: Tensor) -> None:
-        if self.zeroing:
-            tensor.zero_()
+        if self.zeroing:  # its own NaN (0/0) cut, what collectives brought from the other ranks' losses kept
+            torch.nan_to_num(tensor, nan=0.0, posinf=0.0, neginf=0.0, out=tensor)
 
 
 class _ZeroingReduceScatter:

@@ -65,7 +65,11 @@ class ModuleHooks:
             assert self.loop is not None
             self.loop.begin_batch(batch_idx)
             self.replaying, self.replays = self.loop.padding_step, self.loaders.train.replays
-            return hook(batch, batch_idx)
+            response = hook(batch, batch_idx)
+            if response == -1:  # the module ends the epoch: Lightning drops the half window's gradient
+                self.loop.drop()
+                self.replaying = False
+            return response
 
         return on_train_batch_start
 
