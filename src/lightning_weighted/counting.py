@@ -102,8 +102,9 @@ class ItemCounter(Callback):
     The strategy then counts every batch on the host, as the loader yields it, before it reaches the device, and
     sums each window's counts before the window's first forward (see :mod:`lightning_weighted.loop`); a
     ``"count"`` that ``training_step`` still returns must agree with it. Where the batches cannot be counted ahead
-    (several train dataloaders, a ``training_step`` taking ``dataloader_iter``), the strategy counts each
-    microbatch on its device batch, and a ``"count"`` that ``training_step`` returns takes precedence.
+    (several train dataloaders), the strategy counts each microbatch on its device batch, and a ``"count"`` that
+    ``training_step`` returns takes precedence. A ``training_step`` taking ``dataloader_iter`` fetches batches the
+    callback never sees: refused at setup (return the count instead).
 
     Args:
         count: what to count: ``"examples"`` (:func:`count_examples`), ``"tokens"`` (:func:`count_tokens`),

@@ -4,6 +4,7 @@ combined, and logged values kept in float64."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,49 @@ def train(config: LoaderConfig, tmp_path: Path, expect_failure: bool = False) ->
     if expect_failure:
         return done.stdout
     return [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(config.world_size)]
+
+
+@pytest.mark.parametrize("count", ["returned", "bare"])
+def test_a_step_that_fetches_from_dataloader_iter_trains_the_reference_on_uneven_ranks(tmp_path, count):
+    # rank 0 holds 4 batches, rank 1 2: rank 1 replays twice, with a count of 0, and its iterator is never read by
+    # the strategy (a bare loss counts the examples of the batch the step fetched)
+    config = LoaderConfig(scenario="iterator", lengths=((4, 2),), count=count)
+    expected = reference(config)
+    records = train(config, tmp_path)
+    for record in records:
+        assert record["global_step"] == 4
+        assert [items for _, items in record["windows"]] == expected["items"]
+        assert max_relative_error(record["params"], expected["params"]) < EXACT
+
+
+def test_item_counter_with_a_step_that_fetches_from_dataloader_iter_is_refused_at_setup_on_every_rank(tmp_path):
+    output = train(LoaderConfig(scenario="iterator", count="counter"), tmp_path, expect_failure=True)
+    message = "ValueError: ItemCounter counts the batches Lightning hands training_step, but IteratorModule."
+    assert output.count(message) == 2, output[-3000:]
+    assert "Return each step's count instead, `{'loss': loss, 'count': n}`" in output
+
+
+@pytest.mark.parametrize("lengths", [((2, 1), (4, 4)), ((4, 4), (2, 1))], ids=["uneven-first", "uneven-second"])
+def test_combined_loaders_that_ddp_keeps_in_lockstep_train_the_same_items_exactly_weighted(tmp_path, lengths):
+    # max_size_cycle: 4 combined batches on each rank, the shorter loader cycling (rank 0 through 2 batches, rank 1
+    # through 1), whichever loader comes first; plain DDP trains the same items but averages the ranks' means
+    config = LoaderConfig(scenario="combined", lengths=lengths)
+    expected = reference(config)
+    weighted, plain = (train(dataclasses.replace(config, strategy=s), tmp_path / s) for s in ("ddp_weighted", "ddp"))
+    for record in weighted:
+        assert [items for _, items in record["windows"]] == expected["items"]  # every item-training ddp does
+        assert max_relative_error(record["params"], expected["params"]) < EXACT
+    assert plain[0]["global_step"] == weighted[0]["global_step"] == len(expected["items"])
+    assert max_relative_error(plain[0]["params"], expected["params"]) > 1e-3  # the control misses the reference
+
+
+def test_combined_loaders_that_would_leave_the_ranks_out_of_step_are_refused_on_every_rank(tmp_path):
+    # min_size: rank 0 would take 2 combined batches, rank 1 only 1
+    output = train(LoaderConfig(scenario="combined", lengths=((2, 1), (4, 4)), mode="min_size"), tmp_path, True)
+    message = "ValueError: the loaders of a CombinedLoader in mode 'min_size' give the ranks different numbers of"
+    assert output.count(message) == 2, output[-3000:]
+    each = "loader 0: rank 0: 2, rank 1: 1; loader 1: rank 0: 4, rank 1: 4"
+    assert f"(rank 0: 2, rank 1: 1; each loader: {each})" in output
 
 
 def test_logged_losses_of_a_float64_run_are_float64_and_exact(tmp_path):
