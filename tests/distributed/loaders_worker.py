@@ -42,6 +42,7 @@ class LoaderConfig:
     mode: str = "max_size_cycle"  # combined: the CombinedLoader's mode
     count: str = "returned"  # returned | bare | counter
     epochs: int = 1
+    accumulate: int = 1  # accumulate_grad_batches (the reference takes 1)
 
 
 def batch_of(loader: int, rank: int, index: int) -> tuple[Tensor, Tensor]:
@@ -195,6 +196,7 @@ def main() -> None:
         devices=config.world_size,
         precision="64-true",
         max_epochs=config.epochs,
+        accumulate_grad_batches=config.accumulate,
         callbacks=callbacks,
         logger=CSVLogger(f"{args.out}.logs", name="", version="") if config.scenario == "logging" else False,
         log_every_n_steps=1,

@@ -10,6 +10,7 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from lightning.pytorch.utilities.types import STEP_OUTPUT
@@ -90,6 +91,8 @@ class WeightedTrainerStrategy(LoopResults, ParallelStrategy):
         self._fetches_itself = is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True)
         if self._counter is not None and self._fetches_itself:
             raise ValueError(_ITERATOR.format(type(module).__name__))
+        if self._fetches_itself and _accumulates(trainer):
+            raise ValueError(_ITERATOR_ACCUMULATES.format(type(module).__name__))
         if self._counter is not None:
             self._loaders.lookahead = Lookahead(self._counter.count_of, self._counter.integer, self._loaders.train)
         self._loaders.fit_loop = trainer.fit_loop
@@ -211,3 +214,14 @@ _ITERATOR = (
     " fetches its own. Return each step's count instead, `{{'loss': loss, 'count': n}}`, and drop ItemCounter; or"
     " take `(batch, batch_idx)`."
 )
+_ITERATOR_ACCUMULATES = (
+    "{}.training_step takes `dataloader_iter`, under which Lightning hands its optimization loop `batch_idx` one"
+    " fetch late, so it zeroes the gradients accumulated in a window one microbatch late and loses some of them"
+    " (under any strategy). Use accumulate_grad_batches=1, or take `(batch, batch_idx)`."
+)
+
+
+def _accumulates(trainer: Trainer) -> bool:
+    """Whether the fit accumulates gradients over several batches (now, or in an epoch a scheduler names)."""
+    schedules = [c.scheduling for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)]  # type: ignore[attr-defined]
+    return trainer.accumulate_grad_batches > 1 or any(a > 1 for schedule in schedules for a in schedule.values())
