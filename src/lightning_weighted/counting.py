@@ -102,15 +102,17 @@ class ItemCounter(Callback):
     The strategy then counts every batch on the host, as the loader yields it, before it reaches the device, and
     sums each window's counts before the window's first forward (see :mod:`lightning_weighted.loop`); a
     ``"count"`` that ``training_step`` still returns must agree with it. Where the batches cannot be counted ahead
-    (several train dataloaders, a ``training_step`` taking ``dataloader_iter``), the strategy counts each
-    microbatch on its device batch, and a ``"count"`` that ``training_step`` returns takes precedence.
+    (several train dataloaders), the strategy counts each microbatch on its device batch, and a ``"count"`` that
+    ``training_step`` returns takes precedence. A ``training_step`` taking ``dataloader_iter`` fetches batches the
+    callback never sees: refused at setup (return the count instead).
 
     Args:
         count: what to count: ``"examples"`` (:func:`count_examples`), ``"tokens"`` (:func:`count_tokens`),
             ``"weights"`` (:func:`count_weights`), ``"documents"`` of packed rows (:func:`count_documents`, ``key``
             ``"position_ids"`` by default), or a function ``count_fn(batch) -> int | float | Tensor``, as
             ``ThroughputMonitor(batch_size_fn=...)``.
-        key: where the labels, mask, weights or positions sit in the batch: a dict key or a tuple index.
+        key: where the labels, mask, weights or positions sit in the batch: a dict key, a tuple or list index, or
+            a NamedTuple's field name.
         ignore_index: the label that marks a token the loss ignores (``"tokens"`` with labels).
         mask: whether ``key`` holds a 0/1 mask rather than labels (``"tokens"``).
         shift: count the targets of a causal LM, ``labels[..., 1:]`` (``"tokens"``).
@@ -182,6 +184,8 @@ class ItemCounter(Callback):
                 f" uses {type(trainer.strategy).__name__}. Pass `strategy='ddp_weighted'` or drop the callback."
             )
         self._loss_epoch = self._loss_epoch.to(pl_module.device)
+        if _float64(pl_module):
+            self._loss_epoch.set_dtype(torch.float64)
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -208,17 +212,28 @@ class ItemCounter(Callback):
         if not self.logs:
             return
         # every value below is already global (or deliberately local): no sync_dist, no extra collective
+        group = _data_parallel_group(trainer)
         shown = {"train/items_per_sec": window.items / elapsed if elapsed > 0 else math.nan}
         logged: dict[str, Any] = {"train/items": window.items, "train/items_local": window.local_items}
         if window.items > 0:
             shown["train/loss"] = window.loss
-            self._loss_epoch.update(torch.tensor(window.loss, device=pl_module.device), weight=window.items)
+            self._loss_epoch.update(
+                torch.as_tensor(loggable(window.loss, pl_module), device=pl_module.device), weight=window.items
+            )
         if self.imbalance and _logs_now(trainer):
-            logged["train/imbalance"] = _imbalance(window, pl_module.device)
+            logged["train/imbalance"] = _imbalance(window, pl_module.device, group)
         if aux and _logs_now(trainer):
-            logged.update(_aux_means(aux, microbatches, window.ranks))
-        pl_module.log_dict(shown, prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
-        pl_module.log_dict(logged, on_step=True, on_epoch=False, batch_size=1)
+            logged.update(_aux_means(aux, microbatches, window.ranks, group))
+        pl_module.log_dict(
+            {k: loggable(v, pl_module) for k, v in shown.items()},
+            prog_bar=True,
+            on_step=True,
+            on_epoch=False,
+            batch_size=1,
+        )
+        pl_module.log_dict(
+            {k: loggable(v, pl_module) for k, v in logged.items()}, on_step=True, on_epoch=False, batch_size=1
+        )
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -237,27 +252,73 @@ class ItemCounter(Callback):
 
 
 def _select(batch: Any, key: str | int) -> Tensor:
-    value = None
-    if isinstance(batch, Mapping):
-        value = batch.get(key)
-    elif isinstance(batch, Sequence) and isinstance(key, int):
+    """``batch[key]``: a dict's key, a tuple's or list's index, or a NamedTuple's field name; a clear error else."""
+    if isinstance(batch, tuple) and isinstance(key, str) and key in getattr(batch, "_fields", ()):
+        value = getattr(batch, key)  # a NamedTuple's field
+    elif isinstance(batch, Mapping):
+        if key not in batch:
+            raise TypeError(
+                f"ItemCounter(key={key!r}) found no such key in the batch, a {_held(batch)}: pass one of them"
+            )
         value = batch[key]
+    elif isinstance(batch, Sequence) and not isinstance(batch, str):
+        if not isinstance(key, int) or not -len(batch) <= key < len(batch):
+            fix = "an int index" if not isinstance(key, int) else f"an index below {len(batch)}"
+            fields = getattr(batch, "_fields", None)
+            fix += f" or one of its field names {list(fields)}" if fields is not None else ""
+            raise TypeError(f"ItemCounter(key={key!r}) cannot index the batch, a {_held(batch)}: pass {fix}")
+        value = batch[key]
+    else:
+        raise TypeError(
+            f"ItemCounter(key={key!r}) needs a dict, tuple or list batch, got a {type(batch).__name__}: pass a"
+            " function that counts it, `ItemCounter(lambda batch: ...)`"
+        )
     if not isinstance(value, Tensor):
-        raise TypeError(f"ItemCounter(key={key!r}) found {type(value).__name__} in the batch; expected a tensor there")
+        raise TypeError(
+            f"ItemCounter(key={key!r}) found a {type(value).__name__} at that key of the batch, a {_held(batch)};"
+            " expected a tensor there"
+        )
     return value
 
 
-def _aux_means(sums: dict[str, Any], microbatches: int, ranks: int) -> dict[str, Tensor]:
+def _held(batch: Any) -> str:
+    """What a batch is, for an error message: its type, and its keys, fields or length."""
+    name = type(batch).__name__
+    if isinstance(batch, Mapping):
+        return f"{name} with keys {list(batch)}"
+    fields = getattr(batch, "_fields", None)
+    if fields is not None:
+        return f"{name} with fields {list(fields)}"
+    return f"{name} of length {len(batch)}" if isinstance(batch, Sequence) else name
+
+
+def _aux_means(sums: dict[str, Any], microbatches: int, ranks: int, group: Any = None) -> dict[str, Tensor]:
     """Each auxiliary term's mean over the window's microbatches and ranks, from one SUM of every rank's sums.
 
-    The weight the strategies give the terms (each microbatch of each rank alike); a replayed batch adds 0.
+    The weight the strategies give the terms (each microbatch of each rank alike); a replayed batch adds 0. The SUM
+    runs over ``group``, the data-parallel ranks: tensor-parallel peers hold the same terms as their rank.
     """
     names = sorted(sums)
     stacked = torch.stack([torch.as_tensor(sums[name], dtype=torch.float64) for name in names])
     if dist.is_initialized():
-        dist.all_reduce(stacked)
+        dist.all_reduce(stacked, group=group)
     means = stacked / (microbatches * ranks)
     return {f"train/aux/{name}": mean for name, mean in zip(names, means, strict=True)}
+
+
+def loggable(value: float | Tensor, module: LightningModule) -> float | Tensor:
+    """A value for ``self.log``: a float64 tensor where the run is float64, lest Lightning round it to float32."""
+    return torch.as_tensor(value, dtype=torch.float64).to(module.device) if _float64(module) else value
+
+
+def _float64(module: LightningModule) -> bool:
+    trainer = getattr(module, "_trainer", None)  # None outside a fit
+    return trainer is not None and str(trainer.precision).startswith("64")
+
+
+def _data_parallel_group(trainer: Trainer) -> Any:
+    """The ranks that see different data: the group the strategy sums its counts over (``None``: every rank)."""
+    return getattr(getattr(trainer.strategy, "_engine", None), "group", None)
 
 
 def _logs_now(trainer: Trainer) -> bool:
@@ -265,13 +326,13 @@ def _logs_now(trainer: Trainer) -> bool:
     return trainer.logger is not None and (trainer.global_step + 1) % every == 0
 
 
-def _imbalance(window: WindowResult, device: torch.device) -> float:
+def _imbalance(window: WindowResult, device: torch.device, group: Any = None) -> float:
     """:func:`~lightning_weighted.counts.imbalance` over the window's ranks, from one MAX all-reduce of their counts.
 
-    The MAX runs over every process: tensor-parallel peers hold the same count as their data-parallel rank.
+    The MAX runs over ``group``, the data-parallel ranks, as the strategy's count reduction does.
     """
     if window.items <= 0 or not dist.is_initialized():
         return 1.0
     largest = torch.tensor(window.local_items, dtype=torch.float64, device=device)
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
     return imbalance(float(largest), window.items, window.ranks)

@@ -25,6 +25,9 @@ __all__ = [
     "Participation",
     "Replicas",
     "UnpaddedDistributedSampler",
+    "combined_lengths",
+    "combined_message",
+    "lengths_of",
     "participating",
     "without_padding",
 ]
@@ -163,35 +166,67 @@ class Participation:
 
 
 def participating(
-    loader: Any, participation: Participation, device: torch.device, several: bool = False, windows: bool = True
+    loader: Any,
+    participation: Participation,
+    device: torch.device,
+    windows: bool = True,
+    lengths: list[int] | None = None,
 ) -> Any:
     """The rank's loader, made to keep yielding until every rank is done where ranks hold unequal data.
 
     A loader with as many batches on every rank is returned as it is. Otherwise a sized one reports the longest
     rank's length, so Lightning runs as many batches everywhere, and an unsized one replays until the window that
     finds every rank out of data ends the epoch (``windows=False``, in a loop without windows such as evaluation:
-    until a one-value all-reduce before each batch finds it). ``several``: the loader is one of several combined into
-    one batch (a ``CombinedLoader``), which must each hold as many batches on every rank.
+    until a one-value all-reduce before each batch finds it). ``lengths``: every rank's, where already gathered
+    (:func:`lengths_of`).
     """
-    local = len(loader) if _has_len(loader) else None
-    lengths = _gather(-1 if local is None else local, device)
+    lengths = lengths_of(loader, device) if lengths is None else lengths
+    here = lengths[dist.get_rank() if dist.is_initialized() else 0]
+    local = here if here >= 0 else None
     sized = all(n >= 0 for n in lengths)
     if sized and len(set(lengths)) == 1:
         return loader
     if participation.policy == "strict" and sized:
         raise ValueError(_strict_message("in their dataloaders", lengths))
-    if several:
-        if not sized:
-            return loader  # several unsized loaders: as under "ddp", their ends are theirs to align
-        raise ValueError(
-            f"the loaders of a CombinedLoader must each hold as many batches on every rank, but one differs"
-            f" ({_listed(lengths)}). Even out their shards, or combine them into one loader, whose uneven length"
-            " the ranks then share with replays."
-        )
     participation.replays = True
     replays = _Replays(participation, max(lengths) if sized else None, min(lengths) <= 0, device, local, windows)
     longest = replays.length
     return extend(loader, replays.iterate, None if longest is None else lambda: longest)
+
+
+def lengths_of(loader: Any, device: torch.device) -> list[int]:
+    """Every rank's number of batches in its ``loader`` (-1 for a loader without a length): one all-reduce."""
+    return _gather(len(loader) if _has_len(loader) else -1, device)
+
+
+def combined_lengths(mode: str, lengths: list[list[int]]) -> list[int] | None:
+    """Every rank's number of combined batches of a ``CombinedLoader`` in ``mode``; ``None`` if one is unsized.
+
+    ``lengths`` holds one list per loader, each rank's number of batches in it (-1: no length).
+
+    Example::
+
+        >>> combined_lengths("max_size_cycle", [[2, 1], [4, 4]])  # the shorter loaders cycle
+        [4, 4]
+        >>> combined_lengths("min_size", [[2, 1], [4, 4]])
+        [2, 1]
+    """
+    if any(n < 0 for loader in lengths for n in loader):
+        return None
+    per_rank = list(zip(*lengths, strict=True))
+    if mode == "sequential":
+        return [sum(rank) for rank in per_rank]
+    return [min(rank) if mode == "min_size" else max(rank) for rank in per_rank]
+
+
+def combined_message(mode: str, lengths: list[list[int]], combined: list[int]) -> str:
+    """The refusal of several train loaders whose combined batches differ in number across ranks."""
+    each = "; ".join(f"loader {index}: {_listed(n)}" for index, n in enumerate(lengths))
+    return (
+        f"the loaders of a CombinedLoader in mode {mode!r} give the ranks different numbers of batches"
+        f" ({_listed(combined)}; each loader: {each}), which would leave the ranks out of step. Even out their"
+        " shards, or combine them into one loader, whose uneven length the ranks then share with replays."
+    )
 
 
 class _Replays:
@@ -206,10 +241,15 @@ class _Replays:
         self.template: Any = _END
 
     def iterate(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        # The epoch starts as Lightning asks for the iterator, before its first batch begins: a `training_step`
+        # taking `dataloader_iter` reads that batch only inside the step.
+        self.participation.new_epoch(self.local)
+        return self._batches(iterator)
+
+    def _batches(self, iterator: Iterator[Any]) -> Iterator[Any]:
         state = self.participation
         # A sized loader tells its real batches and is read no earlier than Lightning asks (its state stays the
         # state of what was consumed); an unsized one is read one batch ahead, to know its last before it is used.
-        state.new_epoch(self.local)
         seen = 0
 
         def fetch() -> Any:

@@ -67,3 +67,18 @@ def test_auxiliary_terms_where_counts_come_after_the_forward_are_the_same_clear_
     source = "training_step returned" if isinstance(config, Config) and not isinstance(config, FabricConfig) else ""
     assert done.stdout.count(message.format(source or "fabric.backward got")) == 2, done.stdout[-3000:]
     assert "`ItemCounter`, or `fabric.strategy.count_ahead` under Fabric" in done.stdout
+
+
+def test_item_counter_logs_each_term_once_per_data_parallel_rank_under_tensor_parallelism(tmp_path):
+    # one data-parallel rank of two tensor-parallel processes: a term's SUM over every process counted it twice.
+    # lr 0 keeps each step's terms those of the initial model (the load-balancing term here is computed on each
+    # process's half of the hidden layer, so only the router z-loss, on the replicated output, is compared)
+    config = ShardedConfig(
+        strategy="fsdp2_weighted", world_size=1, tensor_parallel=2, **BASE, counter="mask", bare_loss=True, lr=0.0
+    )
+    expected = reference(config)
+    fit_sharded(config, tmp_path)
+    rows = logged_rows(tmp_path, "train/aux/z")
+    assert [float(row["train/aux/z"]) for row in rows] == pytest.approx(
+        [means["z"] for means in expected["aux_means"]], rel=1e-5
+    )

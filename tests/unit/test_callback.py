@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -72,9 +73,42 @@ def test_bad_counts_from_the_batch_are_named_as_problems(counter, batch, problem
     assert read_count(counter.count_of(batch), integer=counter.integer, host=True).problem is problem
 
 
-def test_a_missing_key_names_what_was_found():
-    with pytest.raises(TypeError, match=r"ItemCounter\(key='labels'\) found NoneType in the batch; expected a tensor"):
-        ItemCounter("tokens", key="labels").count_of({"input_ids": torch.zeros(2)})
+class LabeledBatch(NamedTuple):
+    x: torch.Tensor
+    labels: torch.Tensor
+    note: str
+
+
+def test_a_key_missing_from_a_dict_names_the_keys_that_are_there():
+    match = r"ItemCounter\(key='labels'\) found no such key in the batch, a dict with keys \['input_ids', 'mask'\]"
+    with pytest.raises(TypeError, match=match):
+        ItemCounter("tokens", key="labels").count_of({"input_ids": torch.zeros(2), "mask": torch.ones(2)})
+
+
+@pytest.mark.parametrize(
+    ("batch", "key", "match"),
+    [
+        ((torch.zeros(2), LABELS), "labels", r"cannot index the batch, a tuple of length 2: pass an int index$"),
+        ([torch.zeros(2), LABELS], 2, r"cannot index the batch, a list of length 2: pass an index below 2$"),
+        (
+            LabeledBatch(torch.zeros(2), LABELS, "n"),
+            "label",
+            r"cannot index the batch, a LabeledBatch with fields \['x', 'labels', 'note'\]: pass an int index or one"
+            r" of its field names \['x', 'labels', 'note'\]",
+        ),
+        (LabeledBatch(torch.zeros(2), LABELS, "n"), "note", r"found a str at that key of the batch, a LabeledBatch"),
+        (LABELS, 0, r"needs a dict, tuple or list batch, got a Tensor: pass a function that counts it"),
+    ],
+)
+def test_a_key_the_batch_cannot_answer_says_what_the_batch_is_and_what_to_pass(batch, key, match):
+    with pytest.raises(TypeError, match=match):
+        ItemCounter("tokens", key=key).count_of(batch)
+
+
+def test_a_named_tuples_field_names_work_as_keys():
+    batch = LabeledBatch(torch.zeros(3, 4), LABELS, "n")
+    assert ItemCounter("tokens", key="labels").count_of(batch) == 6  # as the tuple index 1 counts it
+    assert ItemCounter("tokens", key=1).count_of(batch) == 6
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.data import extract_batch_size
 
+from lightning_weighted.counting import loggable
 from lightning_weighted.counts import TRAINER, Wording, count_rule, split_output
 from lightning_weighted.loop import Exchange
 from lightning_weighted.window import Window
@@ -57,7 +58,8 @@ class EvaluationLoss:
                 continue
             name = f"{stage}/loss/dataloader_idx_{index}" if several else f"{stage}/loss"
             # already global: the max of equal values is the value itself, exactly, on any number of ranks
-            module.log(name, result.loss, reduce_fx="max", sync_dist=True, add_dataloader_idx=False, batch_size=1)
+            loss = loggable(result.loss, module)  # float64 in a float64 run
+            module.log(name, loss, reduce_fx="max", sync_dist=True, add_dataloader_idx=False, batch_size=1)
         self.windows = {}
 
 

@@ -48,7 +48,7 @@ class ModuleHooks:
     def patches(self, trainer: Trainer, module: LightningModule) -> dict[str, Callable[..., Any]]:
         """The hooks to set on ``module`` for the fit, each calling the module's own."""
         return {
-            "on_train_batch_start": self._train_batch_start(module.on_train_batch_start),
+            "on_train_batch_start": self._train_batch_start(trainer, module.on_train_batch_start),
             "lr_scheduler_step": self._scheduler_step(trainer, module.lr_scheduler_step),
             "on_validation_batch_start": self._evaluation_batch_start("val", module.on_validation_batch_start),
             "on_test_batch_start": self._evaluation_batch_start("test", module.on_test_batch_start),
@@ -57,13 +57,17 @@ class ModuleHooks:
             "on_test_epoch_end": self._epoch_end("test", module, module.on_test_epoch_end),
         }
 
-    def _train_batch_start(self, hook: Callable[[Any, int], int | None]) -> Callable[[Any, int], int | None]:
+    def _train_batch_start(
+        self, trainer: Trainer, hook: Callable[[Any, int], int | None]
+    ) -> Callable[[Any, int], int | None]:
         def on_train_batch_start(batch: Any, batch_idx: int) -> int | None:
             # Runs before the strategy's own hook and the training step: the place to end the epoch.
             if self.loaders.train.stop:
                 return -1  # every rank is out of data: Lightning ends the epoch here, on every rank
             assert self.loop is not None
-            self.loop.begin_batch(batch_idx)
+            # the batch in progress: Lightning hands `batch_idx` one fetch late where `training_step` takes
+            # `dataloader_iter`, while its epoch loop's own index counts this batch in both modes
+            self.loop.begin_batch(trainer.fit_loop.epoch_loop.batch_idx)
             self.replaying, self.replays = self.loop.padding_step, self.loaders.train.replays
             response = hook(batch, batch_idx)
             if response == -1:  # the module ends the epoch: Lightning drops the half window's gradient

@@ -8,9 +8,17 @@ import torch
 
 from lightning_weighted._compat import LOADER_BARRIERS, extend, own_state, restore
 from lightning_weighted.ahead import Lookahead
-from lightning_weighted.data import Participation, Policy, participating, without_padding
+from lightning_weighted.data import (
+    Participation,
+    Policy,
+    combined_lengths,
+    combined_message,
+    lengths_of,
+    participating,
+    without_padding,
+)
 
-__all__ = ["FitLoaders"]
+__all__ = ["FitLoaders", "fetched_batch"]
 
 
 class FitLoaders:
@@ -32,6 +40,8 @@ class FitLoaders:
         self.evaluation: dict[str, list[Participation]] = {"val": [], "test": []}  # one per evaluation loader
         self.lookahead: Lookahead | None = None
         self.train_loaders: list[Any] = []
+        self.fit_loop: Any = None  # Lightning's fit loop, whose train CombinedLoader names its mode
+        self._lengths: list[list[int]] = []  # every rank's length of each train loader (-1: none)
         self._stage = ""
         self._extended: list[Any] = []
 
@@ -40,7 +50,7 @@ class FitLoaders:
         self._stage = LOADER_BARRIERS.get(name or "", "")
         if self._stage == "train":
             self.release(self.train_loaders)
-            self.train_loaders, self.train.replays = [], False
+            self.train_loaders, self.train.replays, self._lengths = [], False, []
         elif self._stage:
             self.evaluation[self._stage] = []
 
@@ -53,25 +63,57 @@ class FitLoaders:
             participation = Participation(self.policy)
             self.evaluation[self._stage].append(participation)
             return self._kept(participating(loader, participation, self.device, windows=False))
-        several = bool(self.train_loaders)
-        if several and self.train.replays:  # the first loader replays, and combined batches would mix replays in
-            participating(self.train_loaders[0], self.train, self.device, several=True)
-        loader = participating(loader, self.train, self.device, several=several)
+        lengths = lengths_of(loader, self.device)
+        self._lengths = [*self._lengths, lengths] if self.train_loaders else [lengths]
+        if len(self._lengths) == 1:  # one loader, so far: its own length rules
+            loader = participating(loader, self.train, self.device, lengths=lengths)
+        else:
+            if len(self._lengths) == 2:  # the first loader is one of several: the combined batches' lengths rule
+                self._reset(self.train_loaders[0])
+            loader = self._combined(loader)
         if self.lookahead is not None:
-            if counts_ahead and several:
+            if counts_ahead and len(self._lengths) > 1:
                 raise ValueError(
                     "ItemCounter counts each window's batches ahead in one train dataloader, but the reloaded train"
                     " dataloaders are several. Keep one train dataloader, or return the count from training_step"
                     " instead of using ItemCounter."
                 )
-            if several:
-                self.retract(self.train_loaders[0])
-            else:
+            if len(self._lengths) == 1:
                 loader = extend(loader, self.lookahead.iterate)
                 self.lookahead.loader_state = own_state(loader)
                 loader._lw.state = self.lookahead.state  # a checkpoint saves the state of what was trained
         self.train_loaders.append(self._kept(loader))
         return loader
+
+    def _combined(self, loader: Any) -> Any:
+        """One of several train loaders, as it is; checked, where the ranks' lengths differ, when Lightning sizes it.
+
+        What plain DDP trains in lockstep trains as it is: the ranks' numbers of combined batches, which the
+        ``CombinedLoader``'s mode decides (a shorter loader cycles under ``"max_size_cycle"``), are equal. Where
+        they differ, DDP's ranks would fall out of step: refused on every rank alike (each knows every rank's
+        lengths) when Lightning first asks for the loaders' lengths, after it processed them all, the mode known.
+        """
+        if all(len(set(n)) == 1 for n in self._lengths) or any(n < 0 for n in self._lengths[-1]):
+            return loader  # as many batches on every rank in every mode; or unsized: as under "ddp", theirs to align
+        local = len(loader)
+
+        def checked_length() -> int:
+            mode = combined_mode(self.fit_loop)
+            combined = combined_lengths(mode, self._lengths)
+            if combined is not None and len(set(combined)) > 1:
+                raise ValueError(combined_message(mode, self._lengths, combined))
+            return local
+
+        return extend(loader, length=checked_length)
+
+    def _reset(self, loader: Any) -> None:
+        """Takes the replays and the lookahead out of the first train loader again (before it is iterated)."""
+        extension = getattr(loader, "_lw", None)
+        if extension is not None:
+            extension.stages.clear()
+            extension.length = extension.state = None
+        self.train.replays = False
+        self.train.new_epoch()
 
     def alone(self, iterables: Any) -> bool:
         """Whether Lightning's train ``iterables`` are one loader, whose batches are whole as it yields them."""
@@ -95,3 +137,13 @@ class FitLoaders:
         if hasattr(loader, "_lw") and loader not in self._extended:
             self._extended.append(loader)
         return loader
+
+
+def combined_mode(fit_loop: Any) -> str:
+    """The mode of the train ``CombinedLoader`` Lightning built (which it names only on the loader's ``_mode``)."""
+    return str(getattr(getattr(fit_loop, "_combined_loader", None), "_mode", "max_size_cycle"))
+
+
+def fetched_batch(trainer: Any) -> Any:
+    """The batch a ``training_step`` taking ``dataloader_iter`` fetched last, as Lightning's fetcher keeps it."""
+    return getattr(trainer.fit_loop._data_fetcher, "_batch", None)

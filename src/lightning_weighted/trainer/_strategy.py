@@ -10,6 +10,7 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from lightning.pytorch.utilities.types import STEP_OUTPUT
@@ -27,7 +28,7 @@ from lightning_weighted.engines import Engine
 from lightning_weighted.loop import LoopResults, WindowLoop
 from lightning_weighted.trainer._evaluation import EvaluationLoss
 from lightning_weighted.trainer._hooks import ModuleHooks, add_output, note_implicit, window_size
-from lightning_weighted.trainer._loaders import FitLoaders
+from lightning_weighted.trainer._loaders import FitLoaders, fetched_batch
 from lightning_weighted.trainer._replays import Replays
 
 __all__ = ["WeightedTrainerStrategy"]
@@ -56,7 +57,7 @@ class WeightedTrainerStrategy(LoopResults, ParallelStrategy):
         self._engine: Engine | None = None
         self._counter: ItemCounter | None = None
         self._ends_window = False  # inside `optimizer_step`: the next backward ends the window
-        self._backward_ran = self._implicit_noted = False
+        self._backward_ran = self._implicit_noted = self._fetches_itself = False
         self._patches = contextlib.ExitStack()
 
     def _make_engine(self) -> Engine:
@@ -87,9 +88,14 @@ class WeightedTrainerStrategy(LoopResults, ParallelStrategy):
             raise MisconfigurationException(_MANUAL.format(type(module).__name__, self.strategy_name))
         self._counter = next((c for c in trainer.callbacks if isinstance(c, ItemCounter)), None)  # type: ignore[attr-defined]
         self._loaders.device = self.root_device
-        fetches_itself = is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True)
-        if self._counter is not None and not fetches_itself:
+        self._fetches_itself = is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True)
+        if self._counter is not None and self._fetches_itself:
+            raise ValueError(_ITERATOR.format(type(module).__name__))
+        if self._fetches_itself and _accumulates(trainer):
+            raise ValueError(_ITERATOR_ACCUMULATES.format(type(module).__name__))
+        if self._counter is not None:
             self._loaders.lookahead = Lookahead(self._counter.count_of, self._counter.integer, self._loaders.train)
+        self._loaders.fit_loop = trainer.fit_loop
         super().setup(trainer)
         self._engine = self._make_engine()
         self._hooks.evaluation = EvaluationLoss(self.root_device, self._engine.group)
@@ -131,7 +137,9 @@ class WeightedTrainerStrategy(LoopResults, ParallelStrategy):
         with self._replays.step(self.lightning_module, self._hooks.replays, self._hooks.replaying):
             output = super().training_step(*args, **kwargs)
         counter = None if self._loop.counts_ahead else self._counter
-        output = add_output(self._loop, output, args[0], counter)
+        # a step taking `dataloader_iter` counts the batch it fetched: the iterator itself is never touched
+        batch = fetched_batch(self.lightning_module.trainer) if self._fetches_itself else args[0]
+        output = add_output(self._loop, output, batch, counter)
         counted = counter is not None or self.counts_ahead or (isinstance(output, dict) and "count" in output)
         if not counted and not self._implicit_noted:
             self._implicit_noted = True
@@ -200,3 +208,20 @@ _MANUAL = (
     "{} uses manual optimization (`automatic_optimization=False`), which {} does not weight. Use automatic"
     " optimization, or a plain strategy and scale the loss yourself."
 )
+
+_ITERATOR = (
+    "ItemCounter counts the batches Lightning hands training_step, but {}.training_step takes `dataloader_iter` and"
+    " fetches its own. Return each step's count instead, `{{'loss': loss, 'count': n}}`, and drop ItemCounter; or"
+    " take `(batch, batch_idx)`."
+)
+_ITERATOR_ACCUMULATES = (
+    "{}.training_step takes `dataloader_iter`, under which Lightning hands its optimization loop `batch_idx` one"
+    " fetch late, so it zeroes the gradients accumulated in a window one microbatch late and loses some of them"
+    " (under any strategy). Use accumulate_grad_batches=1, or take `(batch, batch_idx)`."
+)
+
+
+def _accumulates(trainer: Trainer) -> bool:
+    """Whether the fit accumulates gradients over several batches (now, or in an epoch a scheduler names)."""
+    schedules = [c.scheduling for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)]  # type: ignore[attr-defined]
+    return trainer.accumulate_grad_batches > 1 or any(a > 1 for schedule in schedules for a in schedule.values())
