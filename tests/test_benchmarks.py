@@ -99,12 +99,12 @@ def test_the_one_rank_overhead_table_has_a_cell_per_variant_and_point() -> None:
 
 @pytest.mark.cost
 @pytest.mark.skipif(not (shutil.which("valgrind") and shutil.which("cc")), reason="needs valgrind and cc")
-@pytest.mark.timeout(900)  # a whole Lightning fit under callgrind, per variant: minutes on a slow machine
+@pytest.mark.timeout(1450)  # a whole Lightning fit under callgrind, per variant: minutes on a slow machine
 def test_callgrind_counts_what_the_weighting_executes_beyond_plain_ddp_in_raw_steps_and_fits() -> None:
     common = [*RUN, "instructions", "--sizes", "tiny", "--accumulate", "1", "--steps", "3"]
     raw = [*common, "--variants", "ddp_control,ddp_weighted", "--level", "raw"]  # one process
     fits = [*common, "--variants", "ddp_weighted", "--level", "trainer"]  # one process per variant
-    done = run([raw, fits], timeout=840)
+    done = run([raw, fits], timeout=1400)
     assert done.returncode == 0, done.stdout[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| tiny A=1 |")]
     assert len(rows) == 2, done.stdout[-3000:]  # one per level
