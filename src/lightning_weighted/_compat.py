@@ -28,8 +28,10 @@ __all__ = [
     "BackwardSyncControl",
     "StrategyRegistry",
     "augment_message",
+    "combined_mode",
     "ddp_kwargs",
     "extend",
+    "fetched_batch",
     "flat_parameters",
     "flatten_mesh",
     "forward_redirection",
@@ -152,6 +154,20 @@ def forward_redirection(strategy: Any, wrapper: nn.Module, module: nn.Module, na
     The audit re-runs ``training_step`` this way: FSDP1 gathers its parameters only inside the root's forward.
     """
     return strategy._forward_redirection(wrapper, module, name, *args)
+
+
+def combined_mode(fit_loop: Any) -> str:
+    """The mode of the train ``CombinedLoader`` Lightning built (it names it only on the loader's ``_mode``)."""
+    return str(getattr(getattr(fit_loop, "_combined_loader", None), "_mode", "max_size_cycle"))
+
+
+def fetched_batch(trainer: Any) -> Any:
+    """The batch a ``training_step`` taking ``dataloader_iter`` fetched last, as Lightning's fetcher keeps it.
+
+    Lightning hands the step an iterator and keeps what it yielded on the fetcher (``_DataLoaderIterDataFetcher``);
+    there is no public view of it.
+    """
+    return getattr(trainer.fit_loop._data_fetcher, "_batch", None)
 
 
 def join_enabled(ddp: nn.Module) -> bool:

@@ -889,3 +889,29 @@ def test_set_backward_sync_control_replaces_what_fabric_no_backward_sync_asks_fo
     source_says(
         "set_backward_sync_control", Fabric.no_backward_sync, "_backward_sync_control", "Fabric.no_backward_sync"
     )
+
+
+@pins("combined_mode")
+def test_combined_mode_is_the_mode_of_the_combined_loader_the_fit_loop_built() -> None:
+    from lightning.pytorch.loops.fit_loop import _FitLoop
+    from lightning.pytorch.utilities import CombinedLoader
+
+    loader = CombinedLoader({"a": [1, 2], "b": [3]}, mode="min_size")
+    with exercising("combined_mode", "CombinedLoader._mode"):
+        mode = attribute("combined_mode", loader, "_mode", "CombinedLoader")
+    pinned("combined_mode", mode == "min_size", "CombinedLoader._mode", f"mode {mode!r}")
+    source_says("combined_mode", _FitLoop.setup_data, "self._combined_loader = combined_loader", "_FitLoop")
+
+
+@pins("fetched_batch")
+def test_fetched_batch_is_what_lightnings_iterator_fetcher_yielded_last() -> None:
+    from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
+    from lightning.pytorch.utilities import CombinedLoader
+
+    fetcher = _DataLoaderIterDataFetcher()
+    fetcher.setup(CombinedLoader([{"x": 1}, {"x": 2}]))
+    with exercising("fetched_batch", "_DataLoaderIterDataFetcher._batch"):
+        wrapper = next(iter(fetcher))
+        batch, _, _ = next(wrapper)
+        held = attribute("fetched_batch", fetcher, "_batch", "_DataLoaderIterDataFetcher")
+    pinned("fetched_batch", held is batch, "_DataLoaderIterDataFetcher._batch", f"held {held!r}, yielded {batch!r}")

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from lightning_weighted._compat import LOADER_BARRIERS, extend, own_state, restore
+from lightning_weighted._compat import LOADER_BARRIERS, combined_mode, extend, own_state, restore
 from lightning_weighted.ahead import Lookahead
 from lightning_weighted.data import (
     Participation,
@@ -18,7 +18,7 @@ from lightning_weighted.data import (
     without_padding,
 )
 
-__all__ = ["FitLoaders", "fetched_batch"]
+__all__ = ["FitLoaders"]
 
 
 class FitLoaders:
@@ -137,13 +137,3 @@ class FitLoaders:
         if hasattr(loader, "_lw") and loader not in self._extended:
             self._extended.append(loader)
         return loader
-
-
-def combined_mode(fit_loop: Any) -> str:
-    """The mode of the train ``CombinedLoader`` Lightning built (which it names only on the loader's ``_mode``)."""
-    return str(getattr(getattr(fit_loop, "_combined_loader", None), "_mode", "max_size_cycle"))
-
-
-def fetched_batch(trainer: Any) -> Any:
-    """The batch a ``training_step`` taking ``dataloader_iter`` fetched last, as Lightning's fetcher keeps it."""
-    return getattr(trainer.fit_loop._data_fetcher, "_batch", None)

@@ -19,7 +19,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_weighted._compat import patched, silenced, unfloored
+from lightning_weighted._compat import fetched_batch, patched, silenced, unfloored
 from lightning_weighted.ahead import Lookahead, Planner
 from lightning_weighted.counting import ItemCounter
 from lightning_weighted.counts import TRAINER
@@ -28,7 +28,7 @@ from lightning_weighted.engines import Engine
 from lightning_weighted.loop import LoopResults, WindowLoop
 from lightning_weighted.trainer._evaluation import EvaluationLoss
 from lightning_weighted.trainer._hooks import ModuleHooks, add_output, note_implicit, window_size
-from lightning_weighted.trainer._loaders import FitLoaders, fetched_batch
+from lightning_weighted.trainer._loaders import FitLoaders
 from lightning_weighted.trainer._replays import Replays
 
 __all__ = ["WeightedTrainerStrategy"]
