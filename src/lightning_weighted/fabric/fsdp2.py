@@ -29,7 +29,7 @@ class WeightedFabricModelParallelStrategy(WeightedFabricStrategy, ModelParallelS
     fabric.setup_module(model)``, then ``fabric.setup_optimizers(...)`` over ``model.parameters()``).
 
     Every FSDP module SUM-reduces on every microbatch, also inside ``no_backward_sync``, which here only marks the
-    window: an empty microbatch's gradient (NaN for a fully masked mean) is zeroed on its way into its
+    window: an empty microbatch's own non-finite values (NaN for a fully masked mean) are cut on their way into its
     reduce-scatter, which a gradient accumulated unsharded over the window would not allow, and no unsharded
     gradient is held between microbatches. The local gradient shards are multiplied by ``1 / N`` at the end of the
     window's last backward (see :mod:`lightning_weighted.engines.fsdp2`).

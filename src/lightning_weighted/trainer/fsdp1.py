@@ -78,10 +78,10 @@ class WeightedFSDPStrategy(WeightedTrainerStrategy, FSDPStrategy):
     is the one stated in :mod:`lightning_weighted.window`.
 
     Its communication hook SUM-reduce-scatters once per window, as Lightning's ``FSDPStrategy`` reduces (the
-    unsharded gradient is accumulated over the window's microbatches, an empty one's zeroed on its way in), the
-    window's counts are summed in the strategy's one exchange, and the local gradient shards are multiplied by
-    ``1 / N`` before clipping and the optimizer; with an ``ItemCounter`` each loss is scaled by ``n / N`` before its
-    backward instead (see :mod:`lightning_weighted.engines.fsdp1`).
+    unsharded gradient is accumulated over the window's microbatches, an empty one's own non-finite values cut on
+    its way in), the window's counts are summed in the strategy's one exchange, and the local gradient shards are
+    multiplied by ``1 / N`` before clipping and the optimizer; with an ``ItemCounter`` each loss is scaled by
+    ``n / N`` before its backward instead (see :mod:`lightning_weighted.engines.fsdp1`).
 
     Args:
         *args: ``FSDPStrategy``'s arguments. ``sharding_strategy`` must shard: ``"FULL_SHARD"`` (default) or
