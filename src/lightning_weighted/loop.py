@@ -237,9 +237,22 @@ class WindowLoop:
 
 
 class LoopResults:
-    """What a weighted strategy tells of its loop of windows, Trainer and Fabric alike."""
+    """What a weighted strategy tells of its loop of windows, Trainer and Fabric alike.
+
+    Callbacks and loops that read a window's result check ``isinstance(strategy, LoopResults)``.
+    """
 
     _loop: WindowLoop | None
+
+    @property
+    def padding_step(self) -> bool:
+        """The microbatch in progress is a replay of a rank whose data ran out (it counts for nothing)."""
+        return self._loop is not None and self._loop.padding_step
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        """The ranks a window's counts are summed over, the ones that see different data (``None``: every rank)."""
+        return self._loop.engine.group if self._loop is not None else None
 
     @property
     def skipped_steps(self) -> int:

@@ -45,6 +45,7 @@ class WeightedFabricStrategy(LoopResults, ParallelStrategy):
         self._skip_step = False  # the last window had no item: optimizer steps change nothing
 
     @property
+    @override
     def padding_step(self) -> bool:
         """The batch the loader yielded last is a replay of a rank whose data ran out (it counts 0)."""
         return self._yielded.padding

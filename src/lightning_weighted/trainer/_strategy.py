@@ -65,9 +65,14 @@ class WeightedTrainerStrategy(LoopResults, ParallelStrategy):
         raise NotImplementedError
 
     @property
+    @override
     def padding_step(self) -> bool:
-        """The batch in progress is a replay of a rank whose data ran out (it counts for nothing)."""
         return self._hooks.replaying
+
+    @property
+    def item_counter(self) -> ItemCounter | None:
+        """How this fit counts a batch where ``training_step`` returns no count (``None``: the batch size)."""
+        return self._counter
 
     @property
     def counts_ahead(self) -> bool:
