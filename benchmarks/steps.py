@@ -45,10 +45,11 @@ from common import (
 from torch import Tensor, nn
 
 from lightning_weighted.ahead import Lookahead, Planner
-from lightning_weighted.counts import TRAINER, WIDTH, read_count
+from lightning_weighted.counts import TRAINER, read_count
 from lightning_weighted.data import Participation
 from lightning_weighted.engines.ddp import DDPEngine
 from lightning_weighted.loop import WindowLoop
+from lightning_weighted.window import SUMMED
 
 CPU = torch.device("cpu")
 
@@ -108,7 +109,7 @@ class PlainDDPStep:
 
 class AfterStep(PlainDDPStep):
     """``"ddp_weighted"`` with counts returned by ``training_step`` (tensors), through the package's own window loop
-    over DDP's own reducer: each loss scaled to its item sum, the window's 80-byte payload in one asynchronous
+    over DDP's own reducer: each loss scaled to its item sum, the window's 48-byte payload in one asynchronous
     float64 all-reduce started before the syncing backward, the reduced gradients multiplied by ``P c / N``."""
 
     def __init__(self, *args: Any) -> None:
@@ -127,10 +128,7 @@ class AfterStep(PlainDDPStep):
             with self.sync(micro):
                 loss = self.ddp(batch)
                 self.loop.add(loss, self.count(batch), False)
-                scaled = self.loop.scaled(loss)
-                if micro == self.accumulate - 1:
-                    self.loop.end()
-                scaled.backward()
+                self.loop.backward_loss(loss, ends=micro == self.accumulate - 1).backward()
         self.loop.finish(self.steps)
         self.steps += 1
         self.finish()
@@ -145,11 +143,11 @@ class AheadStep(AfterStep):
     def __init__(self, model: nn.Module, world_size: int, accumulate: int, data: BatchStream) -> None:
         super().__init__(model, world_size, accumulate, data)
         lookahead = Lookahead(lambda batch: batch[2].sum(), True, Participation())  # integer counts: tokens
-        self.loop.planner = self.planner = Planner(lookahead, lambda _: accumulate, self.engine, CPU)
+        self.loop.planner = Planner(lookahead, lambda _: accumulate)
         self.stream = lookahead.iterate(iter(data))
 
     def count(self, batch: Batch) -> Any:
-        return self.planner.count
+        return None  # the planned count stands
 
 
 class PostHocStep(PlainDDPStep):
@@ -245,10 +243,10 @@ def run_point(point: Point, names: Sequence[str], counter: CollectiveCounter, co
 
 
 def gloo_probe() -> dict[str, float]:
-    """Median time of the window's payload all-reduce (``WIDTH`` float64 values) and of an 8 MiB fp32 one."""
+    """Median time of the window's payload all-reduce (``SUMMED`` float64 values) and of an 8 MiB fp32 one."""
     results = {}
     for name, tensor, repeats in (
-        ("payload_allreduce_s", torch.zeros(WIDTH, dtype=torch.float64), 200),
+        ("payload_allreduce_s", torch.zeros(SUMMED, dtype=torch.float64), 200),
         ("allreduce_8MiB_s", torch.zeros(2 * 1024 * 1024), 15),
     ):
         samples = []

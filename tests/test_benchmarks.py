@@ -23,7 +23,7 @@ PLAIN = {  # each weighted variant and anchor, and the plain counterpart it is c
 }
 PLAIN["trainer"] = PLAIN["raw"]
 PLAIN["sharded"]["fsdp_weighted_ahead"] = "fsdp"
-PAYLOAD = {"all_reduce[float64]": [1, 8 * 10]}  # the window's payload: 10 float64 values (`counts.WIDTH`), once
+PAYLOAD = {"all_reduce[float64]": [1, 8 * 6]}  # the window's payload: 6 float64 values summed (`window.SUMMED`), once
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_the_report_holds_each_level_with_its_tables(results: dict[str, Any]) ->
     for title in ("## Raw DDP step", "## Lightning Trainer step", "## Sharded strategies (Trainer)"):
         assert report.count(title) == 1, title
     assert report.count("Final-parameter deviation / first-step gradient deviation") == 3
-    assert "| tiny A=2 | ddp_weighted (counts after) | all_reduce[float64] ×1 (80 B) |" in report
+    assert "| tiny A=2 | ddp_weighted (counts after) | all_reduce[float64] ×1 (48 B) |" in report
 
 
 @pytest.mark.cost

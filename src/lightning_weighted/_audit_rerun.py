@@ -21,9 +21,10 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor, nn
 
-from lightning_weighted._compat import forward_redirection, patched
+from lightning_weighted._compat import forward_redirection
 from lightning_weighted.counting import ItemCounter
 from lightning_weighted.counts import Count, count_rule, split_output
+from lightning_weighted.trainer._seam import logs_ignored
 
 __all__ = ["Microbatch", "Targets", "flat", "is_audit_rerun", "local_sum"]
 
@@ -146,10 +147,7 @@ def _rerun_step(pl_module: LightningModule) -> Iterator[None]:
     """Marks the re-run for :func:`is_audit_rerun`; its ``self.log`` calls do nothing (no double logging)."""
     global _rerunning
 
-    def ignore(*args: Any, **kwargs: Any) -> None:
-        return None
-
-    with patched(pl_module, log=ignore, log_dict=ignore):
+    with logs_ignored(pl_module):
         _rerunning = True
         try:
             yield

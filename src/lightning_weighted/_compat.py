@@ -12,8 +12,7 @@ releases is skipped there with the reason), so a release that moves one fails th
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,7 +29,6 @@ __all__ = [
     "augment_message",
     "combined_mode",
     "ddp_kwargs",
-    "extend",
     "fetched_batch",
     "flat_parameters",
     "flatten_mesh",
@@ -43,18 +41,14 @@ __all__ = [
     "metric_restore",
     "metric_snapshot",
     "multiply",
-    "own_state",
     "parallel_sizes",
-    "patched",
     "rebuild_loader",
     "reduce_scatter",
     "register",
     "require_torch",
-    "restore",
     "set_backward_sync_control",
     "set_parallel_sizes",
     "set_sampler",
-    "silenced",
     "unfloored",
 ]
 
@@ -234,37 +228,6 @@ def reduce_scatter(output: Tensor, source: Tensor, group: Any, op: Any, async_op
     return dist.reduce_scatter_tensor(output, source, op=op, group=group, async_op=async_op)  # torch 2.9-2.12
 
 
-@contextlib.contextmanager
-def patched(module: Any, **methods: Callable[..., Any]) -> Iterator[None]:
-    """Sets ``methods`` on one instance for the length of the block; the class is never touched.
-
-    Lightning ends an epoch only when the module's ``on_train_batch_start`` returns -1, steps LR schedulers
-    through the module's ``lr_scheduler_step``, and clips FSDP1 gradients through its precision plugin; no strategy
-    hook sits at any of these points.
-
-    Example::
-
-        >>> layer = nn.Identity()
-        >>> with patched(layer, extra_repr=lambda: "patched"):
-        ...     print(layer)
-        Identity(patched)
-        >>> print(layer)
-        Identity()
-    """
-    missing = object()
-    saved = {name: vars(module).get(name, missing) for name in methods}
-    for name, method in methods.items():
-        setattr(module, name, method)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is missing:
-                delattr(module, name)
-            else:
-                setattr(module, name, value)
-
-
 def metric_snapshot(metric: Any) -> tuple[dict[str, Any], int, Any]:
     """A torchmetrics ``Metric``'s accumulated state, its update count and cached result, to put back later.
 
@@ -288,23 +251,6 @@ def _copied(value: Any) -> Any:
     return [item.clone() if isinstance(item, Tensor) else item for item in value]
 
 
-@contextlib.contextmanager
-def silenced(message: str, category: type[Warning]) -> Iterator[None]:
-    """Ignores one warning of Lightning's (by the start of its message) for the length of the block."""
-    import warnings
-
-    filters: list[Any] = warnings.filters  # type: ignore[assignment]
-    before = list(filters)
-    warnings.filterwarnings("ignore", message=message, category=category)
-    entry = filters[0]
-    try:
-        yield
-    finally:
-        if entry not in before:  # an identical filter of someone else's stays
-            with contextlib.suppress(ValueError):
-                filters.remove(entry)
-
-
 def set_sampler(loader: DataLoader[Any], sampler: Any) -> None:
     """Replaces the sampler of a built ``DataLoader``, whose ``__setattr__`` refuses it after ``__init__``.
 
@@ -322,114 +268,3 @@ def rebuild_loader(loader: DataLoader[Any], sampler: Any) -> DataLoader[Any]:
 
     rebuilt: DataLoader[Any] = _update_dataloader(loader, sampler)
     return rebuilt
-
-
-# --------------------------------------------------------------------------------------- the loader extension
-# Lightning seeds a DataLoader's workers and checks its settings on the object the user gave it, and saves the state
-# of that same object, so a train loader keeps its identity while its iteration is extended for one fit: its class
-# gets a subclass placed in front (under the same name), and is given back at the end of the fit.
-
-Stage = Callable[[Iterator[Any]], Iterator[Any]]
-
-
-class Extension:
-    """What an extended loader runs: its stages, its length, and the state of what Lightning has consumed."""
-
-    def __init__(self) -> None:
-        self.stages: list[Stage] = []
-        self.length: Callable[[], int] | None = None
-        self.state: Callable[[], dict[str, Any] | None] | None = None  # a state of an earlier moment, or None
-
-
-def extend(loader: Any, stage: Stage | None = None, length: Callable[[], int] | None = None) -> Any:
-    """Runs ``loader``'s iteration through ``stage`` (after its earlier stages); ``length`` replaces its length.
-
-    Returns the same object for a ``DataLoader``, a wrapper for any other iterable; its ``_lw`` is the
-    :class:`Extension`.
-    """
-    if not isinstance(loader, (_Extended, _ExtendedIterable)):
-        if isinstance(loader, DataLoader):
-            loader._lw = Extension()
-            loader.__class__ = _extended_class(type(loader))
-        else:
-            loader = _ExtendedIterable(loader)
-    if stage is not None:
-        loader._lw.stages.append(stage)
-    if length is not None:
-        loader._lw.length = length
-    return loader
-
-
-def own_state(loader: Any) -> Callable[[], dict[str, Any]] | None:
-    """The extended loader's own ``state_dict`` (a ``StatefulDataLoader``'s), past the extension; ``None`` if none."""
-    if isinstance(loader, _Extended):
-        own = getattr(super(_Extended, loader), "state_dict", None)
-    else:
-        own = getattr(getattr(loader, "iterable", loader), "state_dict", None)
-    return own if callable(own) else None
-
-
-def restore(loader: Any) -> Any:
-    """Gives an extended ``DataLoader`` back its own class; returns what was extended (the wrapped iterable)."""
-    if isinstance(loader, _Extended):
-        loader.__class__ = type(loader).__mro__[2]  # the class `_extended_class` extended
-        del loader._lw
-        return loader
-    if isinstance(loader, _ExtendedIterable):
-        return loader.iterable
-    return loader
-
-
-def _run(extension: Extension, iterator: Iterator[Any]) -> Iterator[Any]:
-    for stage in extension.stages:
-        iterator = stage(iterator)
-    return iterator
-
-
-class _Extended(DataLoader[Any]):
-    _lw: Extension
-
-    def __len__(self) -> int:
-        return self._lw.length() if self._lw.length is not None else super().__len__()
-
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator over DataLoader's own iterator
-        return _run(self._lw, iter(super().__iter__()))
-
-
-def _state_dict(loader: Any) -> dict[str, Any]:
-    """The loader's state at the moment the extension names (what Lightning has consumed), else its own."""
-    earlier = loader._lw.state() if loader._lw.state is not None else None
-    return earlier if earlier is not None else super(_Extended, loader).state_dict()  # type: ignore[no-any-return]
-
-
-def _extended_class(cls: type[DataLoader[Any]]) -> type[DataLoader[Any]]:
-    if cls not in _EXTENDED:
-        namespace: dict[str, Any] = {"__module__": cls.__module__}
-        if hasattr(cls, "state_dict"):  # a StatefulDataLoader: Lightning saves the state of loaders with one
-            namespace["state_dict"] = _state_dict
-        _EXTENDED[cls] = type(cls.__name__, (_Extended, cls), namespace)
-    return _EXTENDED[cls]
-
-
-_EXTENDED: dict[type[DataLoader[Any]], type[DataLoader[Any]]] = {}
-
-
-class _ExtendedIterable:
-    """The same for a train "loader" that is not a ``DataLoader`` (any iterable Lightning accepts)."""
-
-    def __init__(self, iterable: Any) -> None:
-        self.iterable = iterable
-        self._lw = Extension()
-
-    def __len__(self) -> int:
-        return self._lw.length() if self._lw.length is not None else len(self.iterable)
-
-    def __iter__(self) -> Iterator[Any]:
-        return _run(self._lw, iter(self.iterable))
-
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(self.__dict__["iterable"], name)
-        if name == "state_dict" and self._lw.state is not None:
-            state = self._lw.state
-            return lambda: state() or value()
-        return value

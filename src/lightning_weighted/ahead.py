@@ -2,7 +2,7 @@
 
 Where :class:`~lightning_weighted.ItemCounter` says how to count a batch, :class:`Lookahead` counts each train batch
 on the host as the loader yields it, before it reaches the device, and fetches a window's batches before its first
-forward; :class:`Planner` makes each window's :math:`N` known before that forward (see
+forward; :class:`Planner` hands the loop each window's counts before that forward (see
 :mod:`lightning_weighted.loop`). A checkpoint still saves the state of what was trained: the loader's state from
 before the oldest batch fetched early.
 """
@@ -20,8 +20,6 @@ from torch import Tensor
 
 from lightning_weighted.counts import Count, Problem, read_count
 from lightning_weighted.data import Participation
-from lightning_weighted.engines import Engine
-from lightning_weighted.window import Window
 
 __all__ = ["Lookahead", "Planner", "summed"]
 
@@ -31,9 +29,9 @@ _END = object()
 class Lookahead:
     """A train loader's iteration that counts each batch as it is fetched and fetches a window's batches early.
 
-    Counts are kept in the order Lightning trains the batches: :meth:`advance` hands out the count of the batch
-    about to be trained, :meth:`ahead` the counts of the batches after it, fetching them now (they are held, on the
-    host, until Lightning asks for them). A batch an exhausted rank replays counts 0. :meth:`state` is the loader's
+    Counts are kept in the order Lightning trains the batches: :meth:`take` hands out the counts of the next window's
+    batches, :meth:`peek` shows those of the window after it, fetching them now (they are held, on the host, until
+    Lightning asks for them). A batch an exhausted rank replays counts 0. :meth:`state` is the loader's
     state before the oldest batch still held, the state of what was trained.
 
     Args:
@@ -48,8 +46,8 @@ class Lookahead:
         >>> batches = ahead.iterate(iter([[1], [1, 2], [1, 2, 3]]))
         >>> next(batches)  # Lightning fetches the first batch ...
         [1]
-        >>> ahead.advance().value, [count.value for count in ahead.ahead(2)]  # ... trains it, looks ahead
-        (1.0, [2.0, 3.0])
+        >>> [count.value for count in ahead.take(2)], [count.value for count in ahead.peek(1)]  # ... its window's
+        ([1.0, 2.0], [3.0])
         >>> list(batches)  # the batches fetched early still come in order
         [[1, 2], [1, 2, 3]]
     """
@@ -83,12 +81,15 @@ class Lookahead:
                 return
             yield item
 
-    def advance(self) -> Count:
-        """The count of the batch Lightning is about to train (the oldest one fetched and not trained yet)."""
-        return self._counts.popleft()
+    def take(self, size: int) -> list[Count]:
+        """The counts of the ``size`` batches Lightning trains next (fewer where the loader ends), fetching them now."""
+        counts = self.peek(size)
+        for _ in counts:
+            self._counts.popleft()
+        return counts
 
-    def ahead(self, size: int) -> list[Count]:
-        """The counts of the ``size`` batches after the current one (fewer where the loader ends), fetched now."""
+    def peek(self, size: int) -> list[Count]:
+        """The counts of the ``size`` batches after those taken (fewer where the loader ends), fetching them now."""
         while len(self._counts) < size:
             state = self.loader_state() if self.loader_state is not None else None
             item = self._fetch()
@@ -112,47 +113,38 @@ class Lookahead:
 
 
 class Planner:
-    """Plans each window from the counts of its batches, which a :class:`Lookahead` takes.
+    """The counts of each window of the train loader, taken by a :class:`Lookahead` before the window's first forward.
+
+    The loop plans each window from them (:meth:`lightning_weighted.loop.WindowLoop.plan`): its :math:`N` is summed
+    then, at an epoch's first window, and carried by the exchange of the window before it for every later one.
 
     Args:
         lookahead: the train loader's lookahead.
         size_at: how many batches the window that would start at a given ``batch_idx`` holds.
-        engine: the engine's reduction (its :math:`D`, and the ranks the counts are summed over).
-        device: where the gradients live.
     """
 
-    def __init__(self, lookahead: Lookahead, size_at: Callable[[int], int], engine: Engine, device: torch.device):
-        self.lookahead, self.size_at, self.device = lookahead, size_at, device
-        self.divisor, self.group = engine.divisor, engine.group
-        self.window: Window | None = None  # the window in progress, its N known
-        self.count = Count(0.0)  # the planned count of the batch in progress
-        self._batch_idx = 0
-        self._epoch = 0  # the loader pass `window` belongs to
-        self._following = 0  # the microbatches of the next window, planned at this window's end
+    def __init__(self, lookahead: Lookahead, size_at: Callable[[int], int]) -> None:
+        self.lookahead, self.size_at = lookahead, size_at
+        self._next: tuple[int, int] = (0, 0)  # the loader pass and the size of the window after the one in progress
+        self._received: tuple[int, int, float] | None = None  # the same, with its N, once the exchange brought it
 
-    def begin_batch(self, batch_idx: int) -> Window:
-        """Takes the count of the batch about to be trained; returns its window (planned now at an epoch's first)."""
-        self.count, self._batch_idx = self.lookahead.advance(), batch_idx
-        if self.window is None or self._epoch != self.lookahead.epoch:
-            counts = [self.count, *self.lookahead.ahead(self.size_at(batch_idx) - 1)]
-            total = summed(counts, self.device, self.group)
-            self.window, self._epoch = self._window(total, len(counts)), self.lookahead.epoch
-        return self.window
+    def window(self, batch_idx: int) -> tuple[list[Count], float | None]:
+        """The counts of the window starting at ``batch_idx``, and its ``N`` where an exchange brought it already."""
+        counts = self.lookahead.take(self.size_at(batch_idx))
+        received, self._received = self._received, None
+        planned = received is not None and received[:2] == (self.lookahead.epoch, len(counts))
+        return counts, received[2] if planned and received is not None else None
 
-    def plan_following(self) -> float:
-        """Plans the window after the one in progress, at its last microbatch; returns this rank's items in it."""
-        size = self.size_at(self._batch_idx + 1)
-        counts = self.lookahead.ahead(size) if size > 0 else []
-        self._following = len(counts)
+    def following(self, batch_idx: int) -> float:
+        """This rank's items in the window starting at ``batch_idx``, the next one (its batches fetched now)."""
+        size = self.size_at(batch_idx)
+        counts = self.lookahead.peek(size) if size > 0 else []
+        self._next = (self.lookahead.epoch, len(counts))
         return _items(counts)
 
     def received(self, total: float) -> None:
         """Takes the next window's ``N`` from the exchange that ended the window in progress."""
-        self.window = self._window(total, self._following) if self._following else None
-        self._following = 0
-
-    def _window(self, total: float | Tensor, size: int) -> Window:
-        return Window(total=total, divisor=self.divisor, shares=dist.get_world_size(self.group) * size)
+        self._received = (*self._next, total) if self._next[1] else None
 
 
 def summed(counts: Iterable[Count], device: torch.device, group: dist.ProcessGroup | None) -> Tensor:

@@ -1,4 +1,4 @@
-"""Counts: reading and checking one, the count rule, and the one payload every rank sums once per window.
+"""Counts: reading and checking one, the count rule, and the one error every rank raises for a bad one.
 
 Pure: nothing here touches ``torch.distributed`` or Lightning. A count is a host number (an ``int``/``float``, or a
 count taken ahead on the host) or a tensor, typically on the device; a tensor is checked and summed on its device and
@@ -22,16 +22,15 @@ __all__ = [
     "FABRIC",
     "TRAINER",
     "Count",
-    "GlobalCount",
     "Problem",
-    "Slot",
     "Wording",
     "agreed",
     "aux_terms",
     "count_rule",
-    "decode",
     "imbalance",
+    "problem_error",
     "read_count",
+    "returned_count",
     "split_output",
 ]
 
@@ -123,7 +122,6 @@ _MESSAGES: dict[Problem, tuple[type[Exception], str]] = {
     ),
 }
 _WITH_VALUE = (Problem.NEGATIVE, Problem.NOT_FINITE, Problem.FRACTIONAL, Problem.TOO_LARGE, Problem.DISAGREES)
-_KINDS = 16  # CODE = rank · _KINDS + problem
 
 
 @dataclass(frozen=True)
@@ -226,9 +224,7 @@ def aux_terms(output: object) -> tuple[dict[str, Tensor], Problem | None]:
     return {str(name): term for name, term in terms.items()}, None
 
 
-def count_rule(
-    output: object, batch: Any, batch_size: Callable[[Any], int], counter: Any = None, planned: Count | None = None
-) -> Count:
+def count_rule(output: object, batch: Any, batch_size: Callable[[Any], int], counter: Any = None) -> Count:
     """The one count rule: a ``"count"`` returned by ``training_step``, else a counter's, else the batch size.
 
     Args:
@@ -237,7 +233,6 @@ def count_rule(
         batch_size: how the batch size is found (Lightning's ``extract_batch_size``).
         counter: an :class:`~lightning_weighted.ItemCounter` (``count_of(batch)`` and ``integer``), whose choice is
             explicit; or ``(count, integer)``, already counted.
-        planned: the count taken ahead from the same batch: it stands, and a returned ``"count"`` must agree.
 
     Example::
 
@@ -246,16 +241,18 @@ def count_rule(
         >>> count_rule(torch.tensor(1.0), [0, 0, 0, 0], len)  # a bare loss: examples
         Count(value=4.0, problem=None, implicit=True)
     """
-    returned = isinstance(output, Mapping) and "count" in output
-    if planned is not None:
-        return agreed(output["count"], planned) if returned else planned  # type: ignore[index]
-    if returned:
-        return read_count(output["count"])  # type: ignore[index]
+    if isinstance(output, Mapping) and "count" in output:
+        return read_count(output["count"])
     if isinstance(counter, tuple):
         return read_count(*counter)
     if counter is not None:
         return read_count(counter.count_of(batch), counter.integer)
     return Count(float(batch_size(batch)), implicit=True)
+
+
+def returned_count(output: object) -> Count | None:
+    """The ``"count"`` ``training_step`` returned, checked; ``None`` where it returned none."""
+    return read_count(output["count"]) if isinstance(output, Mapping) and "count" in output else None
 
 
 def agreed(returned: object, planned: Count) -> Count:
@@ -281,80 +278,29 @@ def agreed(returned: object, planned: Count) -> Count:
     return planned if given.value == planned.value else Count(given.value, Problem.DISAGREES)
 
 
-class Slot(IntEnum):
-    """The named fields of the float64 payload each rank contributes to the window's SUM, once per window.
+def problem_error(rows: Sequence[Sequence[float]], wording: Wording = TRAINER) -> Exception:
+    """The one error every rank raises, from every rank's ``[problem, value]`` (``0``: none), in rank order.
 
-    float64 holds every integer up to 2**53 exactly, so item counts and weight sums stay exact; every field is a
-    value of its own, so a non-finite loss never touches the counts.
-    """
-
-    ITEMS = 0  # Σ_m n_m over this rank's window
-    NEXT = 1  # counted ahead: Σ_m n_m over this rank's next window
-    INVALID = 2  # 1 if this rank found a problem
-    CODE = 3  # rank · 16 + problem, decoded when exactly one rank reports
-    VALUE = 4  # the offending value
-    MORE = 5  # 1 if this rank holds real batches after this window
-    LOSS = 6  # Σ_m n_m · loss_m over this rank's window (the item sum, for a loss that is one)
-    UNCUT = 7  # 1 if a microbatch counted 0 had a non-finite loss (its backward ran: see `loop`)
-    KIND = 8  # the problem's number: summed with KIND_SQUARED, it names the problem several ranks share
-    KIND_SQUARED = 9
-
-
-WIDTH = len(Slot)
-
-
-@dataclass(frozen=True)
-class GlobalCount:
-    """The decoded SUM of every rank's payload: the same on every rank.
-
-    Attributes:
-        items: ``N``, the global item count of the window.
-        following: counted ahead: the next window's ``N``.
-        error: the one error every rank raises, or ``None``.
-        ranks_with_more: how many ranks hold real batches after this window.
-        loss_sum: ``Σ_r Σ_m n_rm · loss_rm``.
-        uncut: how many ranks backpropagated a non-finite loss whose count was 0.
-    """
-
-    items: float
-    following: float
-    error: Exception | None
-    ranks_with_more: int
-    loss_sum: float
-    uncut: int = 0
-
-
-def decode(summed: Sequence[float], wording: Wording = TRAINER) -> GlobalCount:
-    """Turns the summed payload (indexed by :class:`Slot`) into ``N`` or one error, identical on every rank.
+    Every rank gathers the same rows, so every rank raises the same error: one rank's problem names the rank and
+    quotes its value; a problem several ranks share is named once; different ones are counted.
 
     Example::
 
-        >>> decode([8.0, 0.0, 0.0, 0.0, 0.0, 2.0, 12.0, 0.0, 0.0, 0.0])
-        GlobalCount(items=8.0, following=0.0, error=None, ranks_with_more=2, loss_sum=12.0, uncut=0)
-        >>> decode([2.0, 0.0, 1.0, 16 + Problem.NEGATIVE, -3.0, 2.0, 0.0, 0.0, 1.0, 1.0]).error.args[0][:48]
+        >>> problem_error([[0.0, 0.0], [float(Problem.NEGATIVE), -3.0]]).args[0][:48]
         "on rank 1, a microbatch's count is negative (-3)"
     """
-    invalid, more = round(summed[Slot.INVALID]), round(summed[Slot.MORE])
-    error: Exception | None = None
-    kinds, squares = round(summed[Slot.KIND]), round(summed[Slot.KIND_SQUARED])
-    if invalid == 1:
-        rank, kind = divmod(round(summed[Slot.CODE]), _KINDS)
-        error_type, what = _MESSAGES[Problem(kind)]
-        what = what.format(value=shown(summed[Slot.VALUE]) if kind in _WITH_VALUE else None, source=wording.source)
-        error = error_type(f"on rank {rank}, {what}. {wording.fix}.")
-    elif invalid > 1 and kinds * kinds == invalid * squares:  # the sums of k and k² agree: one problem on all
-        error_type, what = _MESSAGES[Problem(kinds // invalid)]
+    found = [(rank, Problem(round(kind)), value) for rank, (kind, value) in enumerate(rows) if kind > 0]
+    kinds = {problem for _, problem, _ in found}
+    if len(found) == 1:
+        rank, problem, value = found[0]
+        error_type, what = _MESSAGES[problem]
+        what = what.format(value=shown(value) if problem in _WITH_VALUE else None, source=wording.source)
+        return error_type(f"on rank {rank}, {what}. {wording.fix}.")
+    if len(kinds) == 1:
+        error_type, what = _MESSAGES[kinds.pop()]
         what = what.replace(" ({value!r})", "").format(value=None, source=wording.source)  # the values differ
-        error = error_type(f"on {invalid} ranks, {what}. {wording.fix}.")
-    elif invalid > 1:
-        error = ValueError(f"on {invalid} ranks, a microbatch's count or loss is invalid. {wording.fix}.")
-    uncut = round(summed[Slot.UNCUT])
-    return GlobalCount(summed[Slot.ITEMS], summed[Slot.NEXT], error, more, summed[Slot.LOSS], uncut)
-
-
-def code(rank: int, problem: int) -> float:
-    """The payload's ``CODE`` of ``problem`` found on ``rank`` (0: the rank's part of the code alone)."""
-    return float(rank * _KINDS + problem)
+        return error_type(f"on {len(found)} ranks, {what}. {wording.fix}.")
+    return ValueError(f"on {len(found)} ranks, a microbatch's count or loss is invalid. {wording.fix}.")
 
 
 def shown(value: float) -> int | float:
@@ -369,11 +315,6 @@ def shown(value: float) -> int | float:
         (-29, 2.5, nan, 1e+20)
     """
     return int(value) if abs(value) < 2**53 and value.is_integer() else value
-
-
-def reported_value(problem: Problem, value: float) -> float:
-    """The payload's ``VALUE`` of a problem: the offending value where the message quotes one."""
-    return value if problem in _WITH_VALUE else 0.0
 
 
 def imbalance(largest: float, items: float, ranks: int) -> float:

@@ -6,7 +6,7 @@ collectives inside its step (``self.log(..., sync_dist=True)``, metric syncs) st
 contributes exactly nothing. The epoch ends on every rank at the same step: for sized loaders after the longest
 rank's last batch, for unsized ones (``IterableDataset``) at the first window boundary where no rank has a real
 batch left, a flag of the window's count payload. Where every rank holds as many batches, the loader is left
-exactly as it is; one that replays stays the same object (:func:`lightning_weighted._compat.extend`).
+exactly as it is; one that replays stays the same object (:func:`lightning_weighted.extension.extend`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 
-from lightning_weighted._compat import extend, rebuild_loader, set_sampler
+from lightning_weighted._compat import rebuild_loader, set_sampler
+from lightning_weighted.extension import extend
 
 __all__ = [
     "Participation",

@@ -4,10 +4,11 @@ The Trainer and Fabric integrations drive one :class:`WindowLoop` each, and hold
 
 1. :meth:`WindowLoop.add` records a
    microbatch's loss and count in the window (:mod:`lightning_weighted.window`) and keeps its loss factor;
-2. :meth:`WindowLoop.scaled` is the loss to backpropagate: times the factor, or the engine's exact zero;
-3. :meth:`WindowLoop.end` starts the window's one :class:`Exchange` right before the backward that ends it: an
-   asynchronous float64 SUM of every rank's payload (:class:`~lightning_weighted.counts.Slot`) over the
-   data-parallel ranks, which overlaps that backward;
+2. :meth:`WindowLoop.backward_loss` is the loss to backpropagate: times the factor, or the engine's exact zero;
+   before the backward that ends the window it starts the window's one :class:`Exchange`: an asynchronous float64
+   SUM of every rank's payload (:class:`~lightning_weighted.window.Slot`) over the data-parallel ranks, which
+   overlaps that backward;
+3. :class:`Batch` is what the front end's hooks note of the batch in progress (a replay, the window's last);
 4. :meth:`WindowLoop.finish`, after it, waits for the SUM; where the counts came after the forwards it multiplies
    the reduced gradients by :math:`D c / N` on the device (one fused pass), then reads the SUM on the host, the
    step's one read of a device value, and decides, the same on every rank: the error, or the step, or no step at
@@ -21,7 +22,8 @@ factor is :math:`D n / N` and nothing is multiplied afterwards; the exchange car
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -30,35 +32,67 @@ from torch import Tensor
 
 from lightning_weighted._compat import multiply
 from lightning_weighted.ahead import Planner, summed
-from lightning_weighted.counts import WIDTH, Count, Problem, Slot, Wording, agreed
+from lightning_weighted.counts import Count, Problem, Wording, agreed
 from lightning_weighted.data import Participation
 from lightning_weighted.engines import Engine
-from lightning_weighted.window import Window, WindowResult
+from lightning_weighted.window import SUMMED, Window, WindowResult
 
-__all__ = ["Exchange", "LoopResults", "Reference", "WindowLoop"]
+__all__ = ["Batch", "Exchange", "LoopResults", "Reference", "WindowLoop"]
+
+
+@dataclass
+class Batch:
+    """The batch in progress, as the front end's hooks note it: one new object per batch, read by the others.
+
+    Attributes:
+        index: its ``batch_idx`` in the epoch of its loader.
+        replay: it replays a batch of a rank whose data ran out: it counts 0, and its logs and metrics leave no trace.
+        replays: its loader replays on some rank: values logged across ranks weigh each rank by whether its batch
+            was real.
+        loader: an evaluation batch's ``dataloader_idx``.
+        ends_window: its backward ends the window (the Trainer runs that batch inside ``optimizer_step``).
+        dropped: the epoch ends before it trains (``on_train_batch_start`` returned -1).
+        skipped: the window it ended had no item (``N = 0``): step-interval LR schedulers do not step after it.
+    """
+
+    index: int = 0
+    replay: bool = False
+    replays: bool = False
+    loader: int = 0
+    ends_window: bool = False
+    dropped: bool = False
+    skipped: bool = False
 
 
 class Exchange:
     """A window's payload summed over ``group``, started at once without waiting; read on the host once.
 
-    This rank's own items travel along, outside the SUM, so that one read brings both.
+    Where a rank found a problem, every rank learns which in one more collective (:meth:`Window.finish`): a healthy
+    window costs the SUM alone.
     """
 
-    def __init__(self, payload: Tensor, group: dist.ProcessGroup | None) -> None:
-        self.vector = torch.cat([payload, payload[Slot.ITEMS : Slot.ITEMS + 1]])
-        self.work = dist.all_reduce(self.vector[:WIDTH], group=group, async_op=True)
+    def __init__(
+        self, window: Window, more: bool, device: torch.device, group: dist.ProcessGroup | None, following: float = 0.0
+    ) -> None:
+        self.window, self.group = window, group
+        self.vector = window.payload(more, device, following)
+        self.work = dist.all_reduce(self.vector[:SUMMED], group=group, async_op=True)
 
     def items(self) -> Tensor:
         """``N``, on the device (the device's stream waits for the SUM, not the host)."""
-        assert self.work is not None
         self.work.wait()
-        return self.vector[Slot.ITEMS]
+        return Window.items_of(self.vector)
 
-    def read(self) -> list[float]:
-        """The summed payload, then this rank's items (``WIDTH + 1`` values): the one host read."""
+    def result(self, step: int, wording: Wording, ranks: int) -> WindowResult:
+        """The window's result from the summed payload, the one host read; raises its error on every rank alike."""
         self.items()
-        values: list[float] = self.vector.tolist()
-        return values
+        return self.window.finish(self.vector.tolist(), step, wording, ranks, rows=self._rows)
+
+    def _rows(self) -> Sequence[Sequence[float]]:
+        row = self.window.problem_row(self.vector.device)
+        rows = [torch.empty_like(row) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(rows, row, group=self.group)
+        return [gathered.tolist() for gathered in rows]
 
 
 class WindowLoop:
@@ -71,31 +105,33 @@ class WindowLoop:
         name: the strategy's name, for messages.
 
     Attributes:
+        batch: the batch in progress (:class:`Batch`).
         participation: the train loader's epoch, where ranks may run out of data (``None``: every rank has data).
-        planner: counts ahead, where the batches are counted before their forward.
+        planner: counts ahead, where the Trainer's batches are counted before their forward.
         last_window: the result of the last window.
         skipped_steps: how many windows had no item (``N = 0``) and changed nothing.
-        padding_step: the microbatch in progress is a replay of an exhausted rank (it counts 0).
         factor, aux: the microbatch in progress's loss factor and weighted auxiliary terms (``None``: none).
     """
 
     def __init__(self, engine: Engine, device: torch.device, wording: Wording, name: str) -> None:
         self.engine, self.device, self.wording, self.name = engine, device, wording, name
         self.rank, self.ranks = dist.get_rank(engine.group), dist.get_world_size(engine.group)
+        self.batch = Batch()
         self.participation: Participation | None = None
         self.planner: Planner | None = None
         self.last_window: WindowResult | None = None
-        self.skipped_steps, self.padding_step = 0, False
+        self.skipped_steps = 0
         self.factor: float | Tensor = 0.0
         self.aux: Tensor | None = None
         self._window: Window | None = None
-        self._planned: deque[Count] = deque()  # counts handed over ahead for the window in progress (`plan`)
+        self._planned: deque[Count] = deque()  # the window's counts, handed over ahead (`plan`), in order
         self._exchange: Exchange | None = None
+        self._backward = False  # the window ran a backward
         self._reference = Reference(engine.mean_sized)
 
     @property
     def counts_ahead(self) -> bool:
-        """Whether each window's counts are taken from its batches before its first forward."""
+        """Whether each window's counts are taken before its first forward (the Trainer's, with a planner)."""
         return self.planner is not None
 
     @property
@@ -103,21 +139,27 @@ class WindowLoop:
         """Whether a window has microbatches that no exchange has ended yet."""
         return self._window is not None
 
-    def begin_batch(self, batch_idx: int) -> None:
-        """Notes the next batch of the train loader: whether it is a replay, and (counts ahead) its window."""
-        self.padding_step = self.participation is not None and self.participation.begin_batch(batch_idx)
-        if self.planner is not None:
-            self._window = self.planner.begin_batch(batch_idx)
+    def begin_batch(self, index: int, replays: bool = False) -> None:
+        """Takes the train loader's batch ``index``: whether it is a replay; counted ahead, the window it opens.
 
-    def plan(self, counts: list[Count]) -> None:
-        """Counts the next window ahead from its microbatches' counts: one SUM now, left on the device.
+        Args:
+            index: its ``batch_idx`` in the epoch.
+            replays: whether the train loader replays on some rank.
+        """
+        replay = self.participation is not None and self.participation.begin_batch(index)
+        self.batch = Batch(index, replay, replays)
+        if self.planner is not None and self._window is None:
+            self.plan(*self.planner.window(index))
 
-        Every loss of the window is then scaled by :math:`D n / N` before its backward; :meth:`add` takes the
-        counts in order.
+    def plan(self, counts: list[Count], total: float | Tensor | None = None) -> None:
+        """Counts the next window ahead from its microbatches' counts; :meth:`add` takes them in order.
+
+        Every loss of the window is then scaled by :math:`D n / N` before its backward. ``total`` is the window's
+        :math:`N` where an earlier exchange brought it; else one SUM now, left on the device.
         """
         if self._window is not None:
             raise RuntimeError("a window's counts were handed over while a window is open: once per window, first")
-        total = summed(counts, self.device, self.engine.group)
+        total = summed(counts, self.device, self.engine.group) if total is None else total
         self._window = Window(total=total, divisor=self.engine.divisor, shares=self.ranks * len(counts))
         self._planned = deque(counts)
 
@@ -129,14 +171,18 @@ class WindowLoop:
         problem: Problem | None = None,
         aux: dict[str, Tensor] | None = None,
     ) -> None:
-        """Records one microbatch's loss, count and auxiliary terms: sets :attr:`factor` and :attr:`aux`."""
-        self._reference.take(None if self.padding_step else count, self.device, self.engine.group)
+        """Records one microbatch's loss, count and auxiliary terms: sets :attr:`factor` and :attr:`aux`.
+
+        Counted ahead, the planned count stands and a ``count`` given here must agree with it.
+        """
+        replay = self.batch.replay
+        self._reference.take(None if replay else count, self.device, self.engine.group)
         window = self.window()
+        planned = self._planned.popleft() if self._planned else None
         self.factor, self.aux = 0.0, None
-        if self.padding_step:
+        if replay:
             return  # a replay of an exhausted rank contributes nothing
-        if self._planned:  # counted ahead: the planned count, which a count given here must agree with
-            planned = self._planned.popleft()
+        if planned is not None:
             count = planned if count is None else agreed(count.value, planned)
         if problem is None:
             problem = Problem.NO_LOSS if loss is None else Problem.NO_GRAPH if loss.grad_fn is None else None
@@ -152,15 +198,16 @@ class WindowLoop:
                 self.aux = torch.stack([term.reshape(()) for term in aux.values()]).sum() * share
 
     def drop(self) -> None:
-        """Forgets the window in progress: Lightning ended the epoch inside it and drops its gradient.
+        """Forgets the window in progress: Lightning ends the epoch before the next batch and drops its gradient.
 
-        ``on_train_batch_start`` returned -1: Lightning steps no optimizer for the half window, and the next epoch's
+        ``on_train_batch_start`` returned -1: Lightning steps no optimizer for a half window, and the next epoch's
         first batch zeroes its gradient, so its counts must not reach the next window either. No exchange has
         started (it starts at a window's last backward). Counted ahead, the next epoch's first window is planned
         anew.
         """
         assert self._exchange is None
-        self._window, self._planned, self.padding_step = None, deque(), False
+        self._window, self._planned, self._backward = None, deque(), False
+        self.batch = Batch(dropped=True)
         self._reference.microbatches = 0
 
     def window(self) -> Window:
@@ -169,11 +216,14 @@ class WindowLoop:
             self._window = Window(self._reference.value)
         return self._window
 
-    def scaled(self, loss: Tensor, multiplier: float = 1.0) -> Tensor:
-        """The loss to backpropagate: ``loss · factor · multiplier``, plus the microbatch's weighted auxiliary terms.
+    def backward_loss(self, loss: Tensor, multiplier: float = 1.0, ends: bool | None = None) -> Tensor:
+        """The loss to backpropagate for the microbatch :meth:`add` took; the exchange starts first at a window's end.
 
-        A factor 0 (a count of 0 on the host, a replay) gives the engine's ``0 · loss``, whose backward runs through
-        the microbatch's own graph and adds nothing of its own (:meth:`Engine.empty`).
+        ``ends``: whether this backward ends the window, by default the batch's :attr:`Batch.ends_window`.
+
+        The loss is ``loss · factor · multiplier``, plus the microbatch's weighted auxiliary terms. A factor 0 (a
+        count of 0 on the host, a replay) gives the engine's ``0 · loss``, whose backward runs through the
+        microbatch's own graph and adds nothing of its own (:meth:`Engine.empty`).
         """
         factor = self.factor
         if isinstance(factor, Tensor):  # a count on the device: never compared on the host
@@ -185,6 +235,9 @@ class WindowLoop:
             scaled = self.engine.empty(loss)
         else:
             scaled = loss if factor * multiplier == 1 else loss * (factor * multiplier)
+        self._backward = True
+        if self.batch.ends_window if ends is None else ends:
+            self.end()
         return scaled if self.aux is None else scaled + self.aux
 
     def refused(self, loss: Tensor | None) -> Tensor:
@@ -197,17 +250,16 @@ class WindowLoop:
         """Starts the window's exchange; runs right before the backward that ends the window (once per window)."""
         if self._exchange is None:
             more = self.participation is None or self.participation.has_more()
-            following = self.planner.plan_following() if self.planner is not None else 0.0
-            payload = self.window().payload(self.rank, more, self.device, following)
-            self._exchange = Exchange(payload, self.engine.group)
+            following = self.planner.following(self.batch.index + 1) if self.planner is not None else 0.0
+            self._exchange = Exchange(self.window(), more, self.device, self.engine.group, following)
 
-    def finish(self, step: int, backward: bool = True) -> WindowResult:
+    def finish(self, step: int) -> WindowResult:
         """Ends the window after its last backward: brings ``N`` to the gradients and decides, on every rank alike.
+
+        A window that ran no backward (a step that only recomputes statistics) leaves its gradients as they are.
 
         Args:
             step: the optimizer step the window ends at.
-            backward: whether the window ran a backward (a step that only recomputes statistics runs none, and its
-                gradients are left as they are).
 
         Returns:
             The window's result; ``items == 0`` means the step must change nothing.
@@ -215,12 +267,13 @@ class WindowLoop:
         self.end()
         window, self._window, self._planned = self.window(), None, deque()
         exchange, self._exchange = self._exchange, None
+        backward, self._backward = self._backward, False
         assert exchange is not None
         if backward and not window.ahead:
             items = exchange.items()
             scale = torch.where(items > 0, self.engine.divisor / items, 0.0)  # D c / N, with c = window.reference
             multiply_gradients(self.engine.parameters(), scale, window.reference)
-        result = self.last_window = window.finish(exchange.read(), step, self.wording, self.ranks)
+        result = self.last_window = exchange.result(step, self.wording, self.ranks)
         if self.participation is not None:
             self.participation.after_window(result.ranks_with_more, self.device, self.engine.group)
         if self.planner is not None:
@@ -232,6 +285,7 @@ class WindowLoop:
             for param in self.engine.parameters():
                 param.grad = None  # without gradients no torch optimizer touches a parameter or its state
             self.skipped_steps += 1
+            self.batch.skipped = True
             rank_zero_warn(f"The global item count of the window ending at step {step} is 0: {self.wording.skipped}")
         return result
 
@@ -246,8 +300,8 @@ class LoopResults:
 
     @property
     def padding_step(self) -> bool:
-        """The microbatch in progress is a replay of a rank whose data ran out (it counts for nothing)."""
-        return self._loop is not None and self._loop.padding_step
+        """The batch in progress is a replay of a rank whose data ran out (it counts for nothing)."""
+        return self._loop is not None and self._loop.batch.replay
 
     @property
     def data_parallel_group(self) -> dist.ProcessGroup | None:

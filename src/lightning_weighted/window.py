@@ -29,16 +29,38 @@ counts and one microbatch per window, either is plain DDP's average.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import IntEnum
 
 import torch
 from torch import Tensor
 
-from lightning_weighted.counts import MAX_ITEMS, TRAINER, WIDTH, Count, Problem, Slot, Wording, code, decode
-from lightning_weighted.counts import reported_value as _reported
+from lightning_weighted.counts import MAX_ITEMS, TRAINER, Count, Problem, Wording, problem_error
 
-__all__ = ["Window", "WindowResult"]
+__all__ = ["SUMMED", "Slot", "Window", "WindowResult"]
+
+
+class Slot(IntEnum):
+    """The fields of one rank's float64 payload: written by :meth:`Window.payload`, read by :meth:`Window.finish`.
+
+    The first :data:`SUMMED` are summed over the ranks once per window; float64 holds every integer up to 2**53, so
+    item counts and weight sums stay exact, and every field is a value of its own, so a non-finite loss never touches
+    the counts. Which problem a rank found travels only where some rank found one (:meth:`Window.problem_row`).
+    """
+
+    ITEMS = 0  # Σ_m n_m over this rank's window
+    NEXT = 1  # counted ahead: Σ_m n_m over this rank's next window
+    MORE = 2  # 1 if this rank holds real batches after this window
+    LOSS = 3  # Σ_m n_m · loss_m over this rank's window (the item sum, for a loss that is one)
+    UNCUT = 4  # 1 if a microbatch counted 0 had a non-finite loss (its backward ran: see `loop`)
+    INVALID = 5  # 1 if this rank found a problem
+    LOCAL = 6  # this rank's own items again, not summed: one host read brings both
+
+
+SUMMED = Slot.LOCAL  # the fields summed over the ranks: every one before LOCAL
+
+Rows = Callable[[], Sequence[Sequence[float]]]  # every rank's problem row, gathered where some rank found one
 
 
 @dataclass(frozen=True)
@@ -81,8 +103,8 @@ class Window:
         >>> window = Window()
         >>> window.add(Count(6.0), loss=torch.tensor(4.0))  # its mean loss, times 6: an item sum
         6.0
-        >>> window.payload(rank=1, more=False, device=torch.device("cpu")).tolist()
-        [6.0, 0.0, 0.0, 0.0, 0.0, 0.0, 24.0, 0.0, 0.0, 0.0]
+        >>> window.payload(more=False, device=torch.device("cpu")).tolist()  # ITEMS, NEXT, MORE, LOSS, ..., LOCAL
+        [6.0, 0.0, 0.0, 24.0, 0.0, 0.0, 6.0]
     """
 
     __slots__ = ("_device", "_tensors", "divisor", "items", "problem", "reference", "shares", "total")
@@ -183,62 +205,78 @@ class Window:
         if self.problem is None:
             self.problem = (problem, value)
 
-    def payload(self, rank: int, more: bool, device: torch.device, following: float = 0.0) -> Tensor:
-        """This rank's contribution to the window's SUM, a float64 vector on ``device`` indexed by ``Slot``.
-
-        Nothing is read from the device: the parts that live there are added there.
+    def payload(self, more: bool, device: torch.device, following: float = 0.0) -> Tensor:
+        """This rank's payload, a float64 vector on ``device`` indexed by :class:`Slot`; nothing read from the device.
 
         Args:
-            rank: this rank's index in the group the counts are summed over.
             more: whether this rank holds real batches after this window.
             device: where the gradients live.
             following: counted ahead: this rank's items in the next window.
         """
-        fields = [0.0] * WIDTH
-        fields[Slot.ITEMS], fields[Slot.NEXT], fields[Slot.MORE] = self.items, following, float(more)
-        if self.problem is not None:
-            problem, value = self.problem
-            fields[Slot.INVALID], fields[Slot.CODE] = 1.0, code(rank, problem)
-            fields[Slot.VALUE] = _reported(problem, value)
-            fields[Slot.KIND], fields[Slot.KIND_SQUARED] = float(problem), float(problem) ** 2
+        fields = [0.0] * len(Slot)
+        fields[Slot.ITEMS] = fields[Slot.LOCAL] = self.items
+        fields[Slot.NEXT], fields[Slot.MORE] = following, float(more)
+        fields[Slot.INVALID] = float(self.problem is not None)
         vector = torch.tensor(fields, dtype=torch.float64)
         if device.type == "cuda":
             vector = vector.pin_memory()  # a pinned, non-blocking copy keeps the host from waiting
         vector = vector.to(device, non_blocking=True)
-        parts = self._device_fields(rank)
+        parts = self._device_fields()
         if parts:
             values = torch.stack([part.to(device) for part in parts.values()])
             vector.index_add_(0, _index(tuple(parts), device), values)
         return vector
+
+    @staticmethod
+    def items_of(summed: Tensor) -> Tensor:
+        """``N`` in the summed payload, on its device."""
+        return summed[Slot.ITEMS]
+
+    def problem_row(self, device: torch.device) -> Tensor:
+        """``[problem, value]`` of this rank's first problem (``[0, 0]``: none), on ``device``.
+
+        The host's first problem if there is one, else the first found on the device, read there.
+        """
+        if self.problem is not None:
+            return torch.tensor([float(self.problem[0]), self.problem[1]], dtype=torch.float64, device=device)
+        return torch.stack(self._device_problem()).to(device)
 
     @property
     def loss_sum(self) -> Tensor | None:
         """The loss's item sum over the host counts so far, on the loss's device (``None``: none yet)."""
         return self._device.get(Slot.LOSS)
 
-    def finish(self, summed: Sequence[float], step: int, wording: Wording = TRAINER, ranks: int = 1) -> WindowResult:
-        """The window's result from the SUM of every rank's payload; raises its error, the same on every rank.
+    def finish(
+        self, summed: Sequence[float], step: int, wording: Wording = TRAINER, ranks: int = 1, rows: Rows | None = None
+    ) -> WindowResult:
+        """The window's result from its summed payload; raises its error, the same on every rank.
 
         Args:
-            summed: the SUM of every rank's :meth:`payload`, then this rank's own items (``WIDTH + 1`` values).
+            summed: the payload after the SUM (its first :data:`SUMMED` fields summed over the ranks).
             step: the optimizer step the window ends at.
             wording: how the error names the call that handed over the counts, and the fix.
             ranks: how many ranks' payloads were summed.
+            rows: where some rank found a problem, every rank's :meth:`problem_row`, in rank order (a collective
+                every rank joins, as each reads the same sum); this rank's own alone by default.
         """
-        total = decode(summed, wording)
-        if total.error is not None:
-            raise total.error
-        items = total.items
-        loss = total.loss_sum / items if items > 0 else math.nan
+        if summed[Slot.INVALID] > 0:
+            found = rows() if rows is not None else [self.problem_row(torch.device("cpu")).tolist()]
+            raise problem_error(found, wording)
+        items = summed[Slot.ITEMS]
+        loss = summed[Slot.LOSS] / items if items > 0 else math.nan
         return WindowResult(
-            step, items, summed[WIDTH], loss, total.ranks_with_more, ranks, total.following, total.uncut
+            step,
+            items,
+            summed[Slot.LOCAL],
+            loss,
+            round(summed[Slot.MORE]),
+            ranks,
+            summed[Slot.NEXT],
+            round(summed[Slot.UNCUT]),
         )
 
-    def _device_fields(self, rank: int) -> dict[Slot, Tensor]:
-        """The payload's fields that live on a device, in one pass over the window's device counts.
-
-        A rank reports one problem: the first found on the host if there is one, else the first found on the device.
-        """
+    def _device_fields(self) -> dict[Slot, Tensor]:
+        """The payload's fields that live on a device, in one pass over the window's device counts."""
         fields = dict(self._device)
         if not self._tensors:
             return fields
@@ -249,7 +287,7 @@ class Window:
         valid = (problems == 0) & (n > 0)
         counted = torch.where(valid, n, 0.0)
         items = counted.sum()
-        fields[Slot.ITEMS] = items
+        fields[Slot.ITEMS] = fields[Slot.LOCAL] = items
         if any(loss is not None for loss in given):
             losses = torch.stack([zero if loss is None else loss if loss.dim() == 0 else loss.sum() for loss in given])
             losses = losses.double()
@@ -265,17 +303,23 @@ class Window:
             held = fields.get(Slot.UNCUT)
             fields[Slot.UNCUT] = uncut if held is None else torch.maximum(held, uncut)
         if self.problem is None:
-            first = (problems > 0).double().argmax()  # the window's first problem (the first microbatch if none)
-            kind, value = torch.take(problems, first), torch.take(n, first)
-            total = items + self.items
-            too_large = (kind == 0) & (total >= MAX_ITEMS)
-            kind = torch.where(too_large, float(Problem.TOO_LARGE), kind)
-            failed = kind > 0
-            fields[Slot.INVALID] = failed.double()
-            fields[Slot.CODE] = torch.where(failed, kind + code(rank, 0), 0.0)
-            fields[Slot.VALUE] = torch.where(too_large, total, torch.where(failed, value, 0.0))
-            fields[Slot.KIND], fields[Slot.KIND_SQUARED] = kind, kind * kind
+            fields[Slot.INVALID] = (self._device_problem()[0] > 0).double()
         return fields
+
+    def _device_problem(self) -> tuple[Tensor, Tensor]:
+        """The first problem among the device counts and its value (``0, 0``: none), with the window's total checked."""
+        if not self._tensors:
+            zero = torch.zeros((), dtype=torch.float64)
+            return zero, zero
+        n = torch.stack([count for count, *_ in self._tensors])
+        zero = n.new_zeros(())
+        problems = torch.stack([zero if problem is None else problem for _, problem, *_ in self._tensors])
+        first = (problems > 0).double().argmax()  # the window's first problem (the first microbatch if none)
+        kind, value = torch.take(problems, first), torch.take(n, first)
+        total = torch.where((problems == 0) & (n > 0), n, 0.0).sum() + self.items
+        too_large = (kind == 0) & (total >= MAX_ITEMS)
+        kind = torch.where(too_large, float(Problem.TOO_LARGE), kind)
+        return kind, torch.where(too_large, total, torch.where(kind > 0, value, 0.0))
 
 
 _INDICES: dict[tuple[tuple[Slot, ...], torch.device], Tensor] = {}

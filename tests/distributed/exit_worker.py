@@ -17,8 +17,8 @@ import torch.distributed as dist
 from launcher import settle_at_exit
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_weighted.counts import WIDTH, read_count
-from lightning_weighted.window import Window
+from lightning_weighted.counts import read_count
+from lightning_weighted.window import SUMMED, Window
 
 
 class _AllReduce(torch.autograd.Function):
@@ -52,9 +52,8 @@ def main() -> None:
         window = Window()
         loss = ddp(x).pow(2).mean()
         loss = loss * window.add(read_count(len(x)), loss)
-        payload = window.payload(rank, more=True, device=torch.device("cpu"))
-        summed = torch.cat([payload, payload[:1]])
-        work = dist.all_reduce(summed[:WIDTH], async_op=True)
+        summed = window.payload(more=True, device=torch.device("cpu"))
+        work = dist.all_reduce(summed[:SUMMED], async_op=True)
         loss.backward()
         work.wait()
         assert window.finish(summed.tolist(), step=0).items == 2 + 6

@@ -211,7 +211,7 @@ def test_one_tiny_collective_per_optimizer_step_is_all_it_adds(tmp_path, strateg
     plain = fit_sharded(dataclasses.replace(config, strategy=PLAIN[strategy]), tmp_path)[0]
     assert len(weighted["steps"]) == 3  # windows of 3, 3 and 1 microbatches
     ours = Counter(weighted["collectives"]) - Counter(plain["collectives"])
-    assert ours == {("all_reduce", "torch.float64", 10): 3}  # the window's payload: 80 bytes per optimizer step
+    assert ours == {("all_reduce", "torch.float64", 6): 3}  # the window's payload: 48 bytes per optimizer step
     assert not Counter(plain["collectives"]) - Counter(weighted["collectives"])
     # the plain strategy's reduce-scatters, per FSDP unit (2 Linear layers): FSDP2 every microbatch (7), FSDP1
     # once per window (3)

@@ -67,10 +67,11 @@ def test_fabric_errors_name_fabric_backward_and_its_count_argument(problem, valu
     good.add(Count(4.0))
     bad.reject(problem, value)
     cpu = torch.device("cpu")
-    summed = (good.payload(0, True, cpu) + bad.payload(1, True, cpu)).tolist()
+    summed = (good.payload(True, cpu) + bad.payload(True, cpu)).tolist()
+    rows = [good.problem_row(cpu).tolist(), bad.problem_row(cpu).tolist()]
     for window in (good, bad):
         with pytest.raises(error, match=match):
-            window.finish([*summed, 0.0], step=0, wording=FABRIC)
+            window.finish(summed, step=0, wording=FABRIC, rows=lambda: rows)
 
 
 def test_a_bad_participation_policy_is_refused_where_it_is_passed():

@@ -11,18 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_weighted.counts import (
-    MAX_ITEMS,
-    WIDTH,
-    Count,
-    Problem,
-    Slot,
-    count_rule,
-    decode,
-    read_count,
-    split_output,
-)
-from lightning_weighted.window import Window
+from lightning_weighted.counts import MAX_ITEMS, Count, Problem, count_rule, read_count, split_output
+from lightning_weighted.window import SUMMED, Slot, Window
 
 CPU = torch.device("cpu")
 
@@ -44,10 +34,23 @@ def device(value: float, dtype: torch.dtype = torch.int64) -> Tensor:
     return torch.tensor(value, dtype=dtype).as_subclass(Unreadable)
 
 
-def _sum(payloads: list[Tensor], own: int = 0) -> list[float]:
-    """What the SUM all-reduce of every rank's float64 payload gives, then rank ``own``'s items (read by the loop)."""
+def _sum(windows: list[Window], own: int = 0, more: Any = True, following: Any = 0.0) -> list[float]:
+    """What the loop reads on rank ``own`` after the SUM of every rank's float64 payload (its own LOCAL kept)."""
+    payloads = [
+        w.payload(
+            more[r] if isinstance(more, list) else more, CPU, following[r] if isinstance(following, tuple) else 0.0
+        )
+        for r, w in enumerate(windows)
+    ]
     summed = torch.stack([p.as_subclass(Tensor) for p in payloads]).sum(0)
-    return [*summed.tolist(), float(payloads[own][Slot.ITEMS])]
+    summed[SUMMED:] = payloads[own].as_subclass(Tensor)[SUMMED:]
+    return summed.tolist()
+
+
+def _finish(windows: list[Window], own: int = 0, step: int = 0, **payloads: Any) -> Any:
+    """Rank ``own``'s window result, with every rank's problem row gathered as the loop gathers them."""
+    rows = [w.problem_row(CPU).as_subclass(Tensor).tolist() for w in windows]
+    return windows[own].finish(_sum(windows, own, **payloads), step, rows=lambda: rows)
 
 
 def _gradient(counts: list[list[float]], mean_grads: list[list[float]], ahead: bool, divisor: int) -> float:
@@ -65,8 +68,7 @@ def _gradient(counts: list[list[float]], mean_grads: list[list[float]], ahead: b
     reduced = sum(local) / divisor
     if ahead:
         return reduced
-    summed = _sum([w.payload(r, more=True, device=CPU) for r, w in enumerate(windows)])
-    items = decode(summed).items
+    items = _finish(windows).items
     return reduced * divisor * windows[0].reference / items if items > 0 else 0.0
 
 
@@ -114,20 +116,20 @@ def test_a_loss_marked_as_an_item_sum_is_scaled_by_one_over_the_reference_not_by
     window = Window()
     assert window.add(Count(3.0), loss=torch.tensor(6.0), item_sum=True) == 1.0  # already Σ over 3 items
     assert window.add(Count(2.0), loss=torch.tensor(1.5)) == 2.0  # a mean over 2 items
-    assert window.payload(0, True, CPU)[Slot.LOSS] == 6.0 + 2 * 1.5  # Σ n·mean, whichever way each loss came
+    assert window.payload(True, CPU)[Slot.LOSS] == 6.0 + 2 * 1.5  # Σ n·mean, whichever way each loss came
     assert Window(total=10.0, divisor=2).add(Count(4.0), loss=torch.tensor(8.0), item_sum=True) == 0.2  # D/N
 
 
 def test_a_one_element_loss_of_any_shape_is_summed_into_the_window_loss():
     window = Window()
     window.add(Count(2.0), loss=torch.tensor([[1.5]]))
-    assert window.payload(0, True, CPU)[Slot.LOSS] == 3.0
+    assert window.payload(True, CPU)[Slot.LOSS] == 3.0
 
 
 def test_a_window_without_items_gives_n_zero_and_a_nan_loss():
     window = Window()
     assert window.add(Count(0.0), loss=torch.tensor(math.nan)) == 0.0  # a fully masked microbatch: 0/0
-    result = window.finish(_sum([window.payload(0, True, CPU), Window().payload(1, True, CPU)]), step=7)
+    result = _finish([window, Window()], step=7)
     assert (result.step, result.items, result.local_items) == (7, 0.0, 0.0)
     assert math.isnan(result.loss)
 
@@ -136,8 +138,7 @@ def test_the_window_result_holds_the_global_item_mean_of_the_loss_and_the_ranks_
     windows = [Window(), Window()]
     windows[0].add(Count(2.0), loss=torch.tensor(1.0))  # Σ n·loss = 2
     windows[1].add(Count(6.0), loss=torch.tensor(3.0))  # 18
-    payloads = [windows[0].payload(0, more=True, device=CPU), windows[1].payload(1, more=False, device=CPU)]
-    result = windows[1].finish(_sum(payloads, own=1), step=0)
+    result = _finish(windows, own=1, more=[True, False])
     assert (result.items, result.local_items, result.loss, result.ranks_with_more) == (8.0, 6.0, 2.5, 1)
 
 
@@ -146,15 +147,14 @@ def test_an_infinite_loss_spike_leaves_the_counts_exact():
     window = Window()
     window.add(Count(3.0), loss=torch.tensor(math.inf))
     window.add(read_count(device(2.0)), loss=torch.tensor(math.inf))
-    result = window.finish(_sum([window.payload(0, True, CPU), Window().payload(1, True, CPU)]), step=0)
+    result = _finish([window, Window()])
     assert (result.items, result.ranks_with_more, result.loss) == (5.0, 2, math.inf)
 
 
 def test_counts_ahead_carry_the_next_windows_items():
     windows = [Window(total=8.0, divisor=2) for _ in range(2)]
     following = (3.0, 9.0)
-    payloads = [w.payload(r, more=True, device=CPU, following=following[r]) for r, w in enumerate(windows)]
-    assert windows[0].finish(_sum(payloads), step=0).following == 12.0
+    assert _finish(windows, following=following).following == 12.0
 
 
 @pytest.mark.parametrize("count", [2**24 + 1, 2**31, 2**40 + 1])
@@ -163,7 +163,7 @@ def test_large_counts_stay_exact_in_the_float64_payload(count):
     for window in windows:
         window.add(Count(float(count)))
         window.add(read_count(device(count)))
-    assert decode(_sum([w.payload(r, True, CPU) for r, w in enumerate(windows)])).items == 3 * 2 * count
+    assert _finish(windows).items == 3 * 2 * count
 
 
 def test_1001_is_exact_where_bfloat16_rounds_to_1000():
@@ -171,7 +171,7 @@ def test_1001_is_exact_where_bfloat16_rounds_to_1000():
     windows = [Window(), Window()]
     windows[0].add(read_count(device(1001)))
     windows[1].add(Count(1001.0))
-    assert decode(_sum([w.payload(r, True, CPU) for r, w in enumerate(windows)])).items == 2002.0
+    assert _finish(windows).items == 2002.0
 
 
 @settings(max_examples=200, deadline=None)
@@ -181,7 +181,7 @@ def test_integer_counts_on_the_host_and_the_device_sum_exactly(counts):
     for rank, (window, rank_counts) in enumerate(zip(windows, counts, strict=True)):
         for k, n in enumerate(rank_counts):
             window.add(read_count(device(n)) if (rank + k) % 2 else Count(float(n)))
-    summed = decode(_sum([w.payload(r, more=r % 2 == 0, device=CPU) for r, w in enumerate(windows)]))
+    summed = _finish(windows, more=[r % 2 == 0 for r in range(len(windows))])
     assert summed.items == sum(map(sum, counts))
     assert summed.ranks_with_more == len([r for r in range(len(counts)) if r % 2 == 0])
 
@@ -192,12 +192,12 @@ def test_a_count_on_the_device_is_checked_weighted_and_summed_there_without_a_re
     assert isinstance(factor, Unreadable)  # the factor stays on the device too
     zero = window.add(read_count(device(0)), loss=torch.tensor(math.nan))  # masked: 0, and its NaN stays out
     bad = window.add(read_count(device(-2)), loss=torch.tensor(1.0))
-    payload = window.payload(1, True, CPU).as_subclass(Tensor)
+    payload = window.payload(True, CPU).as_subclass(Tensor)
     assert float(factor.as_subclass(Tensor)) == 4.0 and float(zero.as_subclass(Tensor)) == 0.0
     assert float(bad.as_subclass(Tensor)) == 0.0
     assert payload[Slot.ITEMS] == 4.0 and payload[Slot.LOSS] == 6.0  # the bad and the masked add nothing
-    assert payload[Slot.INVALID] == 1.0 and payload[Slot.CODE] == 16 + Problem.NEGATIVE
-    assert payload[Slot.VALUE] == -2.0 and payload[Slot.UNCUT] == 1.0  # a NaN loss counted 0 on the device
+    assert payload[Slot.INVALID] == 1.0 and payload[Slot.UNCUT] == 1.0  # a NaN loss counted 0 on the device
+    assert window.problem_row(CPU).as_subclass(Tensor).tolist() == [Problem.NEGATIVE, -2.0]  # gathered on error
 
 
 @pytest.mark.parametrize(
@@ -298,11 +298,10 @@ def test_one_bad_rank_gives_the_same_error_naming_rank_value_and_fix_everywhere(
     good, bad = Window(), Window()
     good.add(Count(4.0))
     bad.reject(problem, value)
-    summed = _sum([good.payload(0, True, CPU), bad.payload(1, True, CPU)])
-    for window in (good, bad):  # every rank raises the same error from the same sum
+    for own in (0, 1):  # every rank raises the same error from the same sum and the same gathered rows
         with pytest.raises(error, match=match):
-            window.finish(summed, step=0)
-    assert decode(summed).items == 4.0  # the bad count never enters N
+            _finish([good, bad], own=own)
+    assert _sum([good, bad])[Slot.ITEMS] == 4.0  # the bad count never enters N
 
 
 @pytest.mark.parametrize(
@@ -312,7 +311,7 @@ def test_one_bad_rank_gives_the_same_error_naming_rank_value_and_fix_everywhere(
 def test_a_count_is_quoted_as_given_a_whole_number_without_a_decimal_point(value, quoted):
     window = Window()
     window.reject(Problem.NEGATIVE, value)
-    summed = _sum([window.payload(0, True, CPU)])  # the payload carries it as a float64
+    summed = _sum([window])  # the problem's row carries it as a float64
     with pytest.raises(ValueError, match=r"on rank 0, a microbatch's count is negative " + quoted):
         window.finish(summed, step=0)
 
@@ -328,7 +327,7 @@ def test_several_bad_ranks_are_counted_and_their_one_problem_named():
     windows[0].reject(Problem.NEGATIVE, -1.0)
     windows[2].add(read_count(device(-2)))  # found on the device
     with pytest.raises(ValueError, match=r"on 2 ranks, a microbatch's count is negative\. Return"):
-        windows[1].finish(_sum([w.payload(r, True, CPU) for r, w in enumerate(windows)]), step=0)
+        _finish(windows, own=1)
 
 
 def test_only_the_first_problem_of_a_window_is_reported():
@@ -336,13 +335,12 @@ def test_only_the_first_problem_of_a_window_is_reported():
     window.reject(Problem.NEGATIVE, -2.0)
     window.reject(Problem.NOT_A_NUMBER)
     window.add(read_count(device(-5)))
-    fields = window.payload(0, True, CPU).tolist()
-    assert (fields[Slot.INVALID], fields[Slot.CODE], fields[Slot.VALUE]) == (1.0, float(Problem.NEGATIVE), -2.0)
+    assert window.problem_row(CPU).tolist() == [Problem.NEGATIVE, -2.0]
     on_device = Window()
     on_device.add(read_count(device(-5)))
     on_device.add(read_count(device(math.nan, torch.float32)))
-    fields = on_device.payload(0, True, CPU).tolist()
-    assert (fields[Slot.INVALID], fields[Slot.CODE], fields[Slot.VALUE]) == (1.0, float(Problem.NEGATIVE), -5.0)
+    assert on_device.payload(True, CPU).as_subclass(Tensor)[Slot.INVALID] == 1.0
+    assert on_device.problem_row(CPU).as_subclass(Tensor).tolist() == [Problem.NEGATIVE, -5.0]
 
 
 def test_a_window_count_reaching_2_to_the_53_is_rejected_rather_than_rounded():
@@ -354,14 +352,23 @@ def test_a_window_count_reaching_2_to_the_53_is_rejected_rather_than_rounded():
     on_device = Window()
     on_device.add(read_count(device(2**52)))
     on_device.add(read_count(device(2**52)))
-    fields = on_device.payload(0, True, CPU).tolist()
-    assert (fields[Slot.CODE], fields[Slot.VALUE]) == (float(Problem.TOO_LARGE), MAX_ITEMS)
+    assert on_device.problem_row(CPU).as_subclass(Tensor).tolist() == [Problem.TOO_LARGE, MAX_ITEMS]
 
 
-def test_the_payload_has_one_named_slot_per_field():
-    assert WIDTH == len(Slot) == 10
-    names = ["ITEMS", "NEXT", "INVALID", "CODE", "VALUE", "MORE", "LOSS", "UNCUT", "KIND", "KIND_SQUARED"]
-    assert [slot.name for slot in Slot] == names
+def test_the_payload_has_one_named_slot_per_field_and_sums_all_but_the_local_one():
+    assert [slot.name for slot in Slot] == ["ITEMS", "NEXT", "MORE", "LOSS", "UNCUT", "INVALID", "LOCAL"]
+    assert SUMMED == Slot.LOCAL == len(Slot) - 1
+
+
+def test_a_healthy_window_never_gathers_the_problem_rows():
+    windows = [Window(), Window()]
+    windows[0].add(Count(2.0))
+    windows[1].add(read_count(device(6)))
+
+    def gathered() -> list[list[float]]:
+        raise AssertionError("a healthy window gathered the problem rows: a collective it does not need")
+
+    assert windows[0].finish(_sum(windows), step=0, rows=gathered).items == 8.0
 
 
 def test_one_problem_on_several_ranks_is_named_and_different_ones_are_counted():
@@ -369,13 +376,13 @@ def test_one_problem_on_several_ranks_is_named_and_different_ones_are_counted():
     for window in same:
         window.reject(Problem.AUX_AFTER)
     with pytest.raises(ValueError, match=r"on 2 ranks, training_step returned auxiliary terms \('aux'\)"):
-        same[0].finish(_sum([w.payload(r, True, CPU) for r, w in enumerate(same)]), step=0)
+        _finish(same, own=0)
     mixed = [Window(), Window(), Window()]
     mixed[0].reject(Problem.NEGATIVE, -1.0)  # 1
     mixed[1].reject(Problem.FRACTIONAL, 2.5)  # 7
     mixed[2].reject(Problem.NOT_FINITE, math.inf)  # 2, and 1 + 7 = 2 · 4: the squares tell them apart
     with pytest.raises(ValueError, match="on 3 ranks, a microbatch's count or loss is invalid"):
-        mixed[0].finish(_sum([w.payload(r, True, CPU) for r, w in enumerate(mixed)]), step=0)
+        _finish(mixed, own=0)
 
 
 def test_the_core_imports_no_integration_and_its_pure_modules_no_lightning():

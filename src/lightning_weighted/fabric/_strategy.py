@@ -17,7 +17,7 @@ from lightning_weighted.counts import FABRIC, Count, aux_terms, read_count
 from lightning_weighted.data import Participation, Policy, Replicas, participating, without_padding
 from lightning_weighted.engines import Engine
 from lightning_weighted.fabric._batches import FabricLoader, Yielded
-from lightning_weighted.loop import LoopResults, WindowLoop
+from lightning_weighted.loop import Batch, LoopResults, WindowLoop
 
 __all__ = ["WeightedFabricStrategy"]
 
@@ -42,7 +42,6 @@ class WeightedFabricStrategy(LoopResults, ParallelStrategy):
         self._loop: WindowLoop | None = None
         self._yielded = Yielded()
         self._windows = 0  # windows ended so far
-        self._skip_step = False  # the last window had no item: optimizer steps change nothing
 
     @property
     @override
@@ -75,7 +74,6 @@ class WeightedFabricStrategy(LoopResults, ParallelStrategy):
         replays = self._yielded.replays()  # the window's batches were fetched: a replay among them counts 0
         planned = [read_count(count, integer, host=_in_host_memory(count)) for count in counts]
         self._require_loop().plan([Count(0.0) if k < len(replays) and replays[k] else c for k, c in enumerate(planned)])
-        self._skip_step = False
 
     def _syncs(self) -> bool:
         """Whether the coming backward reduces gradients across ranks (it does not inside ``no_backward_sync``)."""
@@ -116,15 +114,12 @@ class WeightedFabricStrategy(LoopResults, ParallelStrategy):
         loop = self._require_loop()
         syncs = self._syncs()
         ends = _ends_window(syncs, window_end, reduction)
-        if not loop.open:
-            self._skip_step = False
-        loop.padding_step = self._yielded.backward()
+        loop.batch = Batch(replay=self._yielded.backward(), ends_window=ends)
         terms, problem = aux_terms({"aux": aux})
         loop.add(tensor, None if count is None else read_count(count), reduction == "sum", problem, terms)
-        tensor = loop.scaled(tensor)
         if ends:
             loop.participation = self._yielded.participation
-            loop.end()
+        tensor = loop.backward_loss(tensor)
         try:
             if syncs and not ends:
                 self._local(lambda: super(WeightedFabricStrategy, self).backward(tensor, module, *args, **kwargs))
@@ -133,14 +128,13 @@ class WeightedFabricStrategy(LoopResults, ParallelStrategy):
         finally:
             loop.engine.after_backward()
         if ends:
-            result = loop.finish(self._windows)
+            loop.finish(self._windows)
             self._windows += 1
-            self._skip_step = result.items == 0
 
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         self._check_closed("optimizer.step()")
-        if self._skip_step:
+        if self._loop is not None and self._loop.batch.skipped:
             return None  # a window without items: no parameter, no optimizer state changes
         return super().optimizer_step(optimizer, **kwargs)
 

@@ -50,10 +50,9 @@ class EvaluationLoss:
     def log(self, stage: str, module: LightningModule) -> None:
         """Logs each loader's item-mean loss (the same on every rank); one float64 all-reduce per loader."""
         several = len(self.windows) > 1
-        rank = dist.get_rank(self.group)
+        ranks = dist.get_world_size(self.group)
         for index, window in sorted(self.windows.items()):
-            payload = window.payload(rank, more=True, device=self.device)
-            result = window.finish(Exchange(payload, self.group).read(), step=0, wording=_wording(stage))
+            result = Exchange(window, True, self.device, self.group).result(0, _wording(stage), ranks)
             if result.items == 0:
                 continue
             name = f"{stage}/loss/dataloader_idx_{index}" if several else f"{stage}/loss"

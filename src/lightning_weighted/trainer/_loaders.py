@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from lightning_weighted._compat import LOADER_BARRIERS, combined_mode, extend, own_state, restore
+from lightning_weighted._compat import LOADER_BARRIERS, combined_mode
 from lightning_weighted.ahead import Lookahead
 from lightning_weighted.data import (
     Participation,
@@ -17,6 +17,7 @@ from lightning_weighted.data import (
     participating,
     without_padding,
 )
+from lightning_weighted.extension import extend, extension, own_state, restore
 
 __all__ = ["FitLoaders"]
 
@@ -81,7 +82,9 @@ class FitLoaders:
             if len(self._lengths) == 1:
                 loader = extend(loader, self.lookahead.iterate)
                 self.lookahead.loader_state = own_state(loader)
-                loader._lw.state = self.lookahead.state  # a checkpoint saves the state of what was trained
+                extended = extension(loader)
+                assert extended is not None
+                extended.state = self.lookahead.state  # a checkpoint saves the state of what was trained
         self.train_loaders.append(self._kept(loader))
         return loader
 
@@ -108,10 +111,10 @@ class FitLoaders:
 
     def _reset(self, loader: Any) -> None:
         """Takes the replays and the lookahead out of the first train loader again (before it is iterated)."""
-        extension = getattr(loader, "_lw", None)
-        if extension is not None:
-            extension.stages.clear()
-            extension.length = extension.state = None
+        extended = extension(loader)
+        if extended is not None:
+            extended.stages.clear()
+            extended.length = extended.state = None
         self.train.replays = False
         self.train.new_epoch()
 
@@ -121,10 +124,10 @@ class FitLoaders:
 
     def retract(self, loader: Any) -> None:
         """Takes the lookahead out of a loader's iteration again (before it is iterated)."""
-        extension = getattr(loader, "_lw", None)
-        if self.lookahead is not None and extension is not None and self.lookahead.iterate in extension.stages:
-            extension.stages.remove(self.lookahead.iterate)
-            extension.state = None
+        extended = extension(loader)
+        if self.lookahead is not None and extended is not None and self.lookahead.iterate in extended.stages:
+            extended.stages.remove(self.lookahead.iterate)
+            extended.state = None
 
     def release(self, loaders: list[Any] | None = None) -> None:
         """Gives back the loaders this run extended (all of them by default)."""
@@ -134,6 +137,6 @@ class FitLoaders:
             restore(loader)
 
     def _kept(self, loader: Any) -> Any:
-        if hasattr(loader, "_lw") and loader not in self._extended:
+        if extension(loader) is not None and loader not in self._extended:
             self._extended.append(loader)
         return loader

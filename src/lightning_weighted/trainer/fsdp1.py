@@ -16,7 +16,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_weighted._compat import StrategyRegistry, fsdp1_options, fsdp_setup_helpers, patched, register
+from lightning_weighted._compat import StrategyRegistry, fsdp1_options, fsdp_setup_helpers, register
 from lightning_weighted.data import Policy
 from lightning_weighted.engines import Engine
 from lightning_weighted.engines.fsdp1 import FSDP1Engine
@@ -132,7 +132,7 @@ class WeightedFSDPStrategy(WeightedTrainerStrategy, FSDPStrategy):
             raise MisconfigurationException(f"fsdp_weighted would compute or reduce in float16 ({config}). {FP16_FIX}.")
         super().setup(trainer)
         # `gradient_clip_algorithm="norm"`: FSDP1's own norm over the shards, where Lightning's FSDPPrecision refuses
-        self._patches.enter_context(patched(self.precision_plugin, clip_grad_by_norm=self._clip_by_norm))
+        self._seam.clip_fsdp1(self.precision_plugin, self._clip_by_norm)
 
     def _clip_by_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:
         assert self.model is not None
