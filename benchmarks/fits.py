@@ -7,7 +7,7 @@ at the start of each accumulation window; the main thread releases one fit at a 
 and their collectives never mix. A step's time runs from the release to the fit parking at the next window (one
 full window: Lightning's per-batch SIGTERM broadcast, data fetch, forward, backward, reduction, optimizer, hooks).
 
-Counts ahead are the plain module with ``ItemCounter("tokens", key=2, mask=True, log=False)``; counts after
+Counts ahead are the plain module with ``ItemCounter("tokens", key=2, mask=True)``; counts after
 return ``{"loss": mean, "count": n}``. Plain FSDP1 is ``examples/cpu_fsdp.py``'s Lightning ``FSDPStrategy`` on
 the CPU; every ``Linear`` is an FSDP unit (FSDP1) or ``fully_shard``-ed before the model (FSDP2).
 """
@@ -129,7 +129,7 @@ class WindowPrefetch(BatchStream):
 
 
 def _counter() -> list[Callback]:
-    return [lightning_weighted.ItemCounter("tokens", key=2, mask=True, log=False)]
+    return [lightning_weighted.ItemCounter("tokens", key=2, mask=True)]
 
 
 # name -> (module, strategy, the callbacks it adds); "ddp_callback": plain "ddp" with one more Callback that

@@ -168,7 +168,7 @@ def train(args: argparse.Namespace, run: str) -> None:
         strategy = cls(start_method=LAUNCHER, timeout=timeout)
     callbacks: list[Callback] = [SaveParameters(Path(args.out) / f"{run}.pt")]
     if weighted:
-        callbacks.append(lightning_weighted.ItemCounter("tokens", key="labels", shift=True, log=False))
+        callbacks.append(lightning_weighted.ItemCounter("tokens", key="labels", shift=True))
     trainer = Trainer(
         accelerator="cpu",
         devices=2,

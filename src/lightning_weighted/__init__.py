@@ -15,12 +15,15 @@ from lightning_weighted.counting import ItemCounter, count_documents, count_exam
 from lightning_weighted.data import UnpaddedDistributedSampler
 from lightning_weighted.engines.fsdp2 import shard_blocks
 from lightning_weighted.fabric import WeightedFabricDDPStrategy, WeightedFabricModelParallelStrategy
+from lightning_weighted.monitor import ItemMetrics, ItemMonitor
 from lightning_weighted.trainer import WeightedDDPStrategy, WeightedFSDPStrategy, WeightedModelParallelStrategy
 from lightning_weighted.window import WindowResult
 
 __all__ = [
     "AuditReport",
     "ItemCounter",
+    "ItemMetrics",
+    "ItemMonitor",
     "ObjectiveAudit",
     "ObjectiveMismatchError",
     "UnpaddedDistributedSampler",

@@ -22,9 +22,9 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch import Tensor, nn
 
 from lightning_weighted._compat import forward_redirection
-from lightning_weighted.counting import ItemCounter
 from lightning_weighted.counts import Count, count_rule, split_output
 from lightning_weighted.trainer._seam import logs_ignored
+from lightning_weighted.trainer._strategy import WeightedTrainerStrategy
 
 __all__ = ["Microbatch", "Targets", "flat", "is_audit_rerun", "local_sum"]
 
@@ -114,8 +114,9 @@ def _training_step(trainer: Trainer, pl_module: LightningModule, args: tuple[Any
 
 
 def _count_rule(trainer: Trainer) -> Callable[[Any, Any], Count]:
-    """The training count rule (:func:`~lightning_weighted.counts.count_rule`), with the run's ``ItemCounter``."""
-    counter = next((c for c in trainer.callbacks if isinstance(c, ItemCounter)), None)  # type: ignore[attr-defined]
+    """The training count rule (:func:`~lightning_weighted.counts.count_rule`), with the strategy's ``ItemCounter``."""
+    strategy = trainer.strategy
+    counter = strategy.item_counter if isinstance(strategy, WeightedTrainerStrategy) else None
     if counter is None:
         return lambda output, batch: count_rule(output, batch, extract_batch_size)
     return lambda output, batch: count_rule(

@@ -36,6 +36,7 @@ from typing_extensions import override
 
 from lightning_weighted._audit_rerun import Microbatch, Targets, flat, is_audit_rerun, local_sum
 from lightning_weighted.counts import TRAINER, imbalance
+from lightning_weighted.loop import LoopResults
 
 __all__ = [
     "AuditReport",
@@ -114,8 +115,8 @@ def spread(rows: Tensor) -> float:
 class ObjectiveAudit(Callback):
     """Checks, every ``every_n_steps`` optimizer steps, the synchronized gradient against the global item mean.
 
-    Counts come from ``training_step``'s ``{"loss": local_mean, "count": n}``, else from an
-    :class:`~lightning_weighted.ItemCounter` among the callbacks, else from the batch size; a batch that
+    Counts come from ``training_step``'s ``{"loss": local_mean, "count": n}``, else from the
+    :class:`~lightning_weighted.ItemCounter` the weighted strategy counts with, else from the batch size; a batch that
     ``ddp_weighted`` replays on a rank out of data (``padding_step``) counts 0, as in training. The
     audit caches the batches of audited windows only and costs one extra forward and backward per cached
     microbatch, a float64 copy of the gradients and two collectives, one of gradient size; under FSDP each rank
@@ -198,7 +199,8 @@ class ObjectiveAudit(Callback):
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Tensor) -> None:
         # `padding_step` is set after the callbacks' `on_train_batch_start`; here it describes this microbatch.
         if self._window:
-            self._window[-1].padding = bool(getattr(trainer.strategy, "padding_step", False))
+            strategy = trainer.strategy
+            self._window[-1].padding = isinstance(strategy, LoopResults) and strategy.padding_step
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:

@@ -80,7 +80,7 @@ def main() -> None:
     audit = ObjectiveAudit(every_n_steps=config.every, on_mismatch=config.on_mismatch)  # type: ignore[arg-type]
     callbacks: list[Callback] = [Corrupt()] if config.corrupt else []
     if config.counter:
-        callbacks.append(lightning_weighted.ItemCounter(lambda batch: batch[0], integer=False, log=False))
+        callbacks.append(lightning_weighted.ItemCounter(lambda batch: batch[0], integer=False))
     callbacks += [audit, Save(audit, args.out)]
     trainer = Trainer(
         strategy=cls(timeout=timedelta(seconds=30)),

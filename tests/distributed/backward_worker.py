@@ -181,7 +181,7 @@ def run_trainer(config: BackwardConfig, out: str) -> None:
         )
     else:
         strategy = lightning_weighted.WeightedFSDPStrategy(timeout=timeout, auto_wrap_policy={nn.Linear})
-    counters = [lightning_weighted.ItemCounter("tokens", key=2, mask=True, log=False)] if config.counter else []
+    counters = [lightning_weighted.ItemCounter("tokens", key=2, mask=True)] if config.counter else []
     trainer = Trainer(
         strategy=strategy,
         callbacks=counters,

@@ -247,7 +247,7 @@ def main() -> None:
         record.record["after"] = after
     else:
         model = Seen(config)
-        counter = [lightning_weighted.ItemCounter(lambda batch: len(_tensors(batch)[0]), log=False)]
+        counter = [lightning_weighted.ItemCounter(lambda batch: len(_tensors(batch)[0]))]
         trainer = Trainer(
             max_epochs=1,
             callbacks=[record, *(counter if config.counter else [])],

@@ -209,7 +209,7 @@ def main() -> None:
     record = Record()
     callbacks: list[Callback] = [record]
     if config.counter:
-        callbacks.append(lightning_weighted.ItemCounter("tokens", key=2, mask=True, log=False))
+        callbacks.append(lightning_weighted.ItemCounter("tokens", key=2, mask=True))
     common: dict[str, Any] = {
         "accelerator": "cpu",
         "devices": config.world_size,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -37,6 +38,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from worker import Recorder, rank_arguments
 
 import lightning_weighted
+from lightning_weighted import ItemMetrics
 from lightning_weighted.engines.fsdp2 import shard_blocks
 
 
@@ -47,6 +49,7 @@ class FabricConfig(Config):
     misuse: str | None = None  # a use the strategy refuses: see `train_epoch`
     evaluate: bool = False  # after training, one pass over the loader without backward (an evaluation loop)
     ahead: bool = False  # fetch each window's batches first and hand their counts over with `count_ahead`
+    metrics: bool = False  # an ItemMetrics takes each window's result: its values per window and epoch are recorded
 
 
 def weighted(config: Config) -> bool:
@@ -128,6 +131,8 @@ def main() -> None:
         optimizer = fabric.setup_optimizers(make_optimizer(config, model.parameters()))
         if config.misuse == "second_model":
             fabric.setup_module(make_model(config.seed + 1))
+        metrics = ItemMetrics(strategy.data_parallel_group, fabric.device) if config.metrics else None
+        record["metrics"], record["epoch_metrics"] = [], []
         loader, epochs = make_loader(config, rank)
         loader = fabric.setup_dataloaders(loader, use_distributed_sampler=config.items is not None)
         # the mean over the ranks of an integer: 7 items on rank 0 and none on rank 1 (3.5, not Lightning's floor)
@@ -137,11 +142,14 @@ def main() -> None:
         for epoch in range(config.epochs):
             if epochs is not None:
                 epochs.epoch = epoch
-            train_epoch(fabric, config, model, optimizer, loader, record)
+            train_epoch(fabric, config, model, optimizer, loader, record, metrics)
+            if metrics is not None:
+                record["epoch_metrics"].append(metrics.end_epoch())
         if config.evaluate:
             with torch.no_grad():
                 record["evaluation"] = [(float(model(x).sum()), strategy.padding_step) for x, _, _ in loader]
         record["params"] = [whole(p) for p in model.parameters()]
+        record["items_total"] = None if metrics is None else metrics.items_total
     except Exception as error:
         record["error"] = f"{type(error).__name__}: {error}"
         raise
@@ -165,8 +173,19 @@ def counted_ahead(config: Config, strategy: Any, loader: Any) -> Iterator[tuple[
             held = []
 
 
-def train_epoch(fabric: Fabric, config: FabricConfig, model: Any, optimizer: Any, loader: Any, record: Any) -> None:
+def train_epoch(
+    fabric: Fabric,
+    config: FabricConfig,
+    model: Any,
+    optimizer: Any,
+    loader: Any,
+    record: Any,
+    metrics: ItemMetrics | None = None,
+) -> None:
     a, strategy = config.accumulate, fabric.strategy
+    started: float | None = None  # when the window in progress began
+    aux: dict[str, torch.Tensor] = {}  # its auxiliary terms summed over this rank's microbatches
+    microbatches = 0
     length = None if config.iterable else len(loader)
     batches = counted_ahead(config, strategy, loader) if config.ahead else enumerate(loader)
     spy: ReadSpy = record["spy"]
@@ -181,6 +200,7 @@ def train_epoch(fabric: Fabric, config: FabricConfig, model: Any, optimizer: Any
         if config.precision == "64-true":  # Fabric converts the model's inputs, not the batch: weights in float64
             y, w = y.double(), w.double()
         last = (index + 1) % a == 0 or index + 1 == length
+        started, microbatches = started or time.perf_counter(), microbatches + 1
         record["padding"].append(bool(getattr(strategy, "padding_step", False)))
         if config.fault is not None and config.fault[2] == index:
             inject(config.fault, fabric.global_rank, "training_step")
@@ -206,6 +226,9 @@ def train_epoch(fabric: Fabric, config: FabricConfig, model: Any, optimizer: Any
                     keywords.pop("count", None)  # handed over ahead
                 if config.aux == "parts":
                     keywords["aux"] = aux_terms(model.module, x)  # the module Fabric set up, its layers called
+                    for name, term in keywords["aux"].items():
+                        replay = strategy.padding_step  # a replay of an exhausted rank adds nothing
+                        aux[name] = aux.get(name, 0.0) + (0.0 if replay else term.detach().double())
                 fabric.backward(total if config.item_sum else mean, reduction=reduction, **keywords)
         spy.active = False
         if config.sync_debug:
@@ -229,6 +252,11 @@ def train_epoch(fabric: Fabric, config: FabricConfig, model: Any, optimizer: Any
                 fabric.clip_gradients(model, optimizer, max_norm=config.clip)
         optimizer.step()
         optimizer.zero_grad()
+        if metrics is not None:  # as a Fabric loop logs: `fabric.log_dict(metrics.compute())`
+            elapsed = time.perf_counter() - started
+            metrics.update(strategy.last_window, elapsed=elapsed, aux=aux, microbatches=microbatches)
+            record["metrics"].append({k: float(v) for k, v in metrics.compute().items()})
+        started, aux, microbatches = None, {}, 0
         step["params"] = [whole(p) for p in model.parameters()]
         step["local_params"] = [local(p.detach()) for p in model.parameters()]
         step["state"] = {  # this rank's shard of it, under FSDP2

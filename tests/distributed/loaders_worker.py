@@ -5,7 +5,8 @@ Scenarios (`LoaderConfig.scenario`), each rank holding its own batches (no sampl
 - `iterator`: `training_step(self, dataloader_iter)` fetches one batch per step and returns a count (`count`
   "returned"), a bare loss ("bare"), or a bare loss beside an `ItemCounter` ("counter").
 - `combined`: a `CombinedLoader` of `len(lengths)` loaders in `mode`; `lengths[l][r]` batches of loader `l` on rank `r`.
-- `logging`: one loader, an `ItemCounter` logging `train/loss`, and `validation_step` returning its loss for `val/loss`.
+- `logging`: one loader, an `ItemCounter` counting it, an `ItemMonitor` logging `train/loss`, and `validation_step`
+  returning its loss for `val/loss`.
 
 Every rank saves its parameters, the items of each optimizer step's window, and `trainer.callback_metrics`.
 """
@@ -190,6 +191,8 @@ def main() -> None:
     callbacks: list[Callback] = [record]
     if config.count == "counter" or config.scenario == "logging":
         callbacks.append(lightning_weighted.ItemCounter("examples"))
+    if config.scenario == "logging":
+        callbacks.append(lightning_weighted.ItemMonitor())
     trainer = Trainer(
         strategy=strategy,
         accelerator="cpu",

@@ -52,7 +52,8 @@ class Config:
     participation: str = "pad"
     log_sync_dist: bool = False  # self.log(..., sync_dist=True) on every step, a collective inside training_step
     val_items: int | None = None  # a validation set of this many items, scored by a weighted MeanMetric
-    counter: str | None = None  # "mask" ("quiet": without logging): ItemCounter counts the mask; "bad": fails on rank 1
+    counter: str | None = None  # "mask": ItemCounter counts the mask, ItemMonitor logs ("quiet": no log); "bad": fails
+    monitor: bool = False  # an ItemMonitor logs each step (any `counter` but "quiet" adds one too)
     bare_loss: bool = False  # training_step returns the mean alone
     merged_from: int | None = None  # world_size 1 holding, as microbatch k, every rank's microbatch k of this size
     checkpoint: bool = False  # save a checkpoint at each epoch end and on an exception

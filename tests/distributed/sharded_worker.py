@@ -23,7 +23,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from reads import to_host
 from scenario import Config, WeightedModule, make_batches, shared_dataset
 from torch import Tensor, nn
-from worker import Recorder, make_counter, rank_arguments
+from worker import Recorder, make_monitoring, rank_arguments
 
 import lightning_weighted
 
@@ -230,7 +230,7 @@ def main() -> None:
         callbacks.append(OnExceptionCheckpoint(dirpath=f"{args.out}.ckpt"))
     logger: Any = False
     if config.counter is not None:
-        callbacks.append(make_counter(config))
+        callbacks += make_monitoring(config)
         logger = CSVLogger(f"{args.out}.logs", name="", version="")
     if config.audit:
         recorder.audit = lightning_weighted.ObjectiveAudit(every_n_steps=1, on_mismatch="raise")  # type: ignore[attr-defined]

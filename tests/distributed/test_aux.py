@@ -41,7 +41,7 @@ def test_auxiliary_terms_are_averaged_over_microbatches_and_ranks_beside_the_ite
     assert max_relative_error(inside[0]["params"], expected["params"]) > 1e-3
 
 
-def test_item_counter_logs_each_term_as_its_mean_over_the_windows_microbatches_and_ranks(tmp_path):
+def test_the_monitor_logs_each_term_as_its_mean_over_the_windows_microbatches_and_ranks(tmp_path):
     config = Config(strategy="ddp_weighted", **BASE, counter="mask", bare_loss=True)
     expected = reference(config)
     fit(config, tmp_path)
@@ -69,7 +69,7 @@ def test_auxiliary_terms_where_counts_come_after_the_forward_are_the_same_clear_
     assert "`ItemCounter`, or `fabric.strategy.count_ahead` under Fabric" in done.stdout
 
 
-def test_item_counter_logs_each_term_once_per_data_parallel_rank_under_tensor_parallelism(tmp_path):
+def test_the_monitor_logs_each_term_once_per_data_parallel_rank_under_tensor_parallelism(tmp_path):
     # one data-parallel rank of two tensor-parallel processes: a term's SUM over every process counted it twice.
     # lr 0 keeps each step's terms those of the initial model (the load-balancing term here is computed on each
     # process's half of the hidden layer, so only the router z-loss, on the replicated output, is compared)

@@ -81,7 +81,7 @@ def test_combined_loaders_that_would_leave_the_ranks_out_of_step_are_refused_on_
 
 
 def test_logged_losses_of_a_float64_run_are_float64_and_exact(tmp_path):
-    # ItemCounter's train/loss at each step and val/loss after training, against the float64 reference
+    # ItemMonitor's train/loss at each step and val/loss after training, against the float64 reference
     config = LoaderConfig(scenario="logging", lengths=((3, 2),), count="bare")
     expected = reference(config)
     records = train(config, tmp_path)

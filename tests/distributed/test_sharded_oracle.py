@@ -64,7 +64,7 @@ def test_tensor_parallel_peers_are_counted_once_through_the_data_parallel_group(
     assert all(rank["counts_ahead"] for rank in weighted)  # summed over the data-parallel group before each window
     assert [items for _, items, _ in weighted[0]["windows"]] == pytest.approx(expected["items"])
     assert max_relative_error(weighted[0]["params"], expected["params"]) < 1e-5
-    # ItemCounter's imbalance, P · max_r n_r / N, over the P = 2 data-parallel ranks (not the 4 processes)
+    # ItemMonitor's imbalance, P · max_r n_r / N, over the P = 2 data-parallel ranks (not the 4 processes)
     logged = [float(row["train/imbalance"]) for row in logged_rows(tmp_path, "train/imbalance")]
     windows = zip(expected["local_items"], expected["items"], strict=True)
     imbalances = [2 * max(local) / items for local, items in windows]

@@ -25,6 +25,7 @@ from reads import ReadSpy
 from scenario import Config, WeightedModule
 
 import lightning_weighted
+from lightning_weighted import ItemMonitor
 
 # A newer name of an older collective is recorded under the older one, so that a record reads the same on every torch
 # (FSDP2 reduce-scatters and all-gathers through the `*_single` names from torch 2.13, the `*_tensor` ones before).
@@ -143,6 +144,7 @@ class Recorder(Callback):
             "comm_hook": trainer.strategy.model._get_ddp_logging_data().get("comm_hook"),
             "counts_ahead": getattr(trainer.strategy, "counts_ahead", None),
             "reads": self.spy.reads,
+            "items_total": next((c.items_total for c in trainer.callbacks if isinstance(c, ItemMonitor)), None),
         }
         torch.save(record, f"{self.out}.rank{trainer.global_rank}")
 
@@ -186,8 +188,18 @@ def make_counter(config: Config) -> Callback:
         return lightning_weighted.ItemCounter(count_fn)
     if config.counter == "examples":
         return lightning_weighted.ItemCounter("examples")
-    # "quiet": no logging (ItemCounter's `train/imbalance` takes a collective of its own on the steps it logs)
-    return lightning_weighted.ItemCounter("tokens", key=2, mask=True, log=config.counter != "quiet")
+    return lightning_weighted.ItemCounter("tokens", key=2, mask=True)
+
+
+def make_monitoring(config: Config) -> list[Callback]:
+    """An `ItemMonitor` where the run logs (`monitor`, or any `counter` but "quiet"), with or without an ItemCounter.
+
+    "quiet" logs nothing: the monitor's `train/imbalance` takes a collective of its own on the steps it logs.
+    """
+    callbacks = [make_counter(config)] if config.counter is not None else []
+    if config.monitor or config.counter not in (None, "quiet"):
+        callbacks.append(lightning_weighted.ItemMonitor())
+    return callbacks
 
 
 def rank_arguments(parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
@@ -216,8 +228,8 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(dirpath=f"{args.out}.ckpt", save_top_k=-1, save_on_train_epoch_end=True))
         callbacks.append(OnExceptionCheckpoint(dirpath=f"{args.out}.ckpt"))
     logger: Any = False
-    if config.counter is not None:
-        callbacks.append(make_counter(config))
+    if config.counter is not None or config.monitor:
+        callbacks += make_monitoring(config)
         logger = CSVLogger(f"{args.out}.logs", name="", version="")
     trainer = Trainer(
         strategy=make_strategy(config),

@@ -92,7 +92,7 @@ def main() -> None:
     microbatches = {0: list(TARGETS.values())} if alone else {rank: [t] for rank, t in TARGETS.items()}
     callbacks: list[Callback] = [Report(args.out)]
     if config.counter:
-        callbacks.append(lightning_weighted.ItemCounter("examples", log=False))
+        callbacks.append(lightning_weighted.ItemCounter("examples"))
     trainer = Trainer(
         strategy=strategy_for(config.strategy, config.device, config.world_size),
         accelerator=config.device,

@@ -98,7 +98,7 @@ def fit(config: Config, strategy: str, data: list[dict[str, torch.Tensor]]) -> f
     clock = WindowClock(config)
     callbacks: list[Callback] = [clock]
     if strategy == "ddp_weighted":
-        callbacks.append(lightning_weighted.ItemCounter("tokens", key="labels", log=False))
+        callbacks.append(lightning_weighted.ItemCounter("tokens", key="labels"))
     cls = lightning_weighted.WeightedDDPStrategy if strategy == "ddp_weighted" else DDPStrategy
     trainer = Trainer(
         strategy=cls(**device_kwargs(config.device, 1)),

@@ -1,4 +1,4 @@
-"""ItemCounter's presets against hand-counted batches, and its refusals (no processes)."""
+"""ItemCounter's presets against hand-counted batches, and its refusals; ItemMonitor and ItemMetrics (no processes)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,21 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+import torch.distributed as dist
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lightning_weighted import ItemCounter, WindowResult, count_documents, count_tokens
+from lightning_weighted import ItemCounter, ItemMetrics, ItemMonitor, WindowResult, count_documents, count_tokens
 from lightning_weighted.counts import Problem, read_count
+from lightning_weighted.loop import LoopResults
+
+
+@pytest.fixture
+def one_process_group():
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
 
 LABELS = torch.tensor(
     [
@@ -136,25 +147,85 @@ def test_it_refuses_a_strategy_that_does_not_weight():
         ItemCounter().setup(trainer, None, "fit")  # type: ignore[arg-type]
 
 
-def test_items_per_sec_is_measured_over_the_step_not_since_the_callback_was_built():
-    counter = ItemCounter()
+def test_item_counter_is_a_specification_whose_only_hook_is_the_setup_check():
+    hooks = {name for name in vars(Callback) if name.startswith("on_") or name in ("teardown", "state_dict")}
+    assert {name for name in vars(ItemCounter) if name in hooks | {"setup", "load_state_dict"}} == {"setup"}
+    counter = ItemCounter("tokens", key="labels", shift=True)
+    assert set(vars(counter)) == {"count", "key", "ignore_index", "mask", "shift", "integer"}
+    assert counter.state_dict() == {}  # nothing in a checkpoint
+
+
+def test_an_item_counter_holds_nothing_of_the_fit_it_counted_and_the_monitor_sums_its_items(one_process_group):
+    counter, monitor = ItemCounter("examples"), ItemMonitor()
+    before = dict(vars(counter))
+    trainer = Trainer(
+        strategy="ddp_weighted", accelerator="cpu", devices=1, max_steps=3, limit_val_batches=0, logger=False,
+        callbacks=[counter, monitor], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(BoringModel())  # batches of one example each
+    assert trainer.strategy.counts_ahead  # the counter counted every batch
+    after = {name: value for name, value in vars(counter).items() if name not in ("log", "log_dict")}
+    assert after == before  # Lightning's `log` and `log_dict`, which it sets on every callback, aside
+    assert monitor.items_total == 3.0  # 3 steps of 1 example
+    assert float(trainer.callback_metrics["train/items"]) == 1.0
+
+
+class _Results(LoopResults):
+    """A weighted strategy's results, without a fit: `last_window` set by hand."""
+
+    _loop = None
+    last_window: WindowResult | None = None  # type: ignore[assignment]
+
+
+def test_items_per_sec_is_measured_over_the_step_not_since_the_monitor_was_built():
+    monitor = ItemMonitor()
     time.sleep(0.5)  # the callback is built long before training starts
     logged: dict[str, float] = {}
     module = SimpleNamespace(device=torch.device("cpu"), log_dict=lambda values, **_: logged.update(values))
-    strategy = SimpleNamespace(last_window=None)
-    trainer = SimpleNamespace(strategy=strategy, logger=None, global_step=0)
-    counter.on_train_batch_start(trainer, module, torch.zeros(4, 2), 0)  # type: ignore[arg-type]
+    strategy = _Results()
+    trainer = SimpleNamespace(strategy=strategy, logger=None, global_step=0, log_every_n_steps=1)
+    monitor.on_train_batch_start(trainer, module, torch.zeros(4, 2), 0)  # type: ignore[arg-type]
     strategy.last_window = WindowResult(step=0, items=1000.0, local_items=400.0, loss=0.5)
-    counter.on_train_batch_end(trainer, module, None, torch.zeros(4, 2), 0)  # type: ignore[arg-type]
+    monitor.on_train_batch_end(trainer, module, None, torch.zeros(4, 2), 0)  # type: ignore[arg-type]
     assert logged["train/items"] == 1000.0
     assert logged["train/items_per_sec"] > 1000.0 / 0.5  # the step took far less than the wait before it
 
 
-def test_its_state_round_trips_through_a_checkpoint():
-    counter = ItemCounter()
-    counter.items_total = 123.0
-    restored = ItemCounter()
-    restored.load_state_dict(counter.state_dict())
+def test_item_metrics_give_each_windows_values_and_the_epochs_item_weighted_loss():
+    metrics = ItemMetrics(imbalance=False)
+    assert metrics.compute() == {}  # no window yet
+    aux = {"z": torch.tensor(3.0, dtype=torch.float64), "b": torch.tensor(1.5, dtype=torch.float64)}
+    metrics.update(WindowResult(step=0, items=8.0, local_items=2.0, loss=2.5, ranks=2), aux=aux, microbatches=3)
+    values = metrics.compute()
+    assert values["train/loss"] == 2.5 and values["train/items"] == 8.0 and values["train/items_local"] == 2.0
+    assert "train/items_per_sec" not in values  # no wall time given
+    assert float(values["train/aux/z"]) == 3.0 / 6 and float(values["train/aux/b"]) == 1.5 / 6  # M·P = 3·2
+    assert "train/aux/z" not in metrics.compute(collectives=False)
+    metrics.update(WindowResult(step=1, items=0.0, local_items=0.0, loss=math.nan), elapsed=0.0)
+    assert "train/loss" not in metrics.compute() and math.isnan(metrics.compute()["train/items_per_sec"])
+    metrics.update(WindowResult(step=2, items=4.0, local_items=3.0, loss=1.0), elapsed=2.0)
+    assert metrics.compute()["train/items_per_sec"] == 2.0
+    assert metrics.end_epoch() == {"train/loss_epoch": (2.5 * 8 + 1.0 * 4) / 12}  # the empty window weighs 0
+    assert metrics.end_epoch() == {}  # a new epoch, with no window yet
+    assert metrics.items_total == 12.0
+
+
+def test_item_monitor_refuses_a_strategy_that_does_not_weight():
+    trainer = Trainer(strategy="ddp", accelerator="cpu", devices=2, logger=False)
+    with pytest.raises(
+        ValueError,
+        match=r"ItemMonitor logs the windows of a weighted strategy \(`strategy='ddp_weighted'`\), but the Trainer"
+        r" uses DDPStrategy\. Pass `strategy='ddp_weighted'` or drop the callback\.",
+    ):
+        ItemMonitor().setup(trainer, None, "fit")  # type: ignore[arg-type]
+
+
+def test_the_monitors_items_total_round_trips_through_a_checkpoint():
+    monitor = ItemMonitor()
+    monitor.metrics.update(WindowResult(step=0, items=123.0, local_items=100.0, loss=0.5))
+    restored = ItemMonitor()
+    restored.load_state_dict(monitor.state_dict())
     assert restored.items_total == 123.0
 
 

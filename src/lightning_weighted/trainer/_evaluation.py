@@ -15,9 +15,9 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.data import extract_batch_size
 
-from lightning_weighted.counting import loggable
 from lightning_weighted.counts import TRAINER, Wording, count_rule, split_output
 from lightning_weighted.loop import Exchange
+from lightning_weighted.monitor import loggable
 from lightning_weighted.window import Window
 
 __all__ = ["EvaluationLoss"]

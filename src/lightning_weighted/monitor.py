@@ -1,0 +1,262 @@
+"""Logging the weighted objective of each optimizer step: ``ItemMetrics``, and ``ItemMonitor``, its Trainer callback.
+
+As Lightning's ``Throughput`` computes throughput in a Fabric loop and ``ThroughputMonitor`` feeds it from a fit,
+:class:`ItemMetrics` computes what each window's :class:`~lightning_weighted.WindowResult` tells and
+:class:`ItemMonitor` feeds it every window of a fit and logs it. Neither counts anything: the counts are the
+strategy's (an :class:`~lightning_weighted.ItemCounter`'s, or those ``training_step`` or ``fabric.backward`` got).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_weighted.counts import imbalance
+from lightning_weighted.loop import LoopResults
+from lightning_weighted.window import WindowResult
+
+__all__ = ["ItemMetrics", "ItemMonitor", "loggable"]
+
+_SHOWN = ("train/loss", "train/items_per_sec")  # in the progress bar
+
+
+class ItemMetrics:
+    """The weighted objective of each optimizer step, from its window's result: a plain object, for a Fabric loop.
+
+    :meth:`update` takes each window's :class:`~lightning_weighted.WindowResult` (``strategy.last_window``), and
+    :meth:`compute` returns, for the last one, the values to log (``fabric.log_dict(metrics.compute())``):
+
+    - ``train/loss``: the global item mean of the loss, ``Σ n·loss / N`` (absent where ``N = 0``);
+    - ``train/items``: ``N``; ``train/items_local``: this rank's items;
+    - ``train/items_per_sec``: ``N`` over the window's wall time (where :meth:`update` was given it);
+    - ``train/imbalance``: ``max_r P·n_r / N``, how far plain DDP would have skewed item influence (one 8-byte MAX
+      all-reduce over :attr:`group`);
+    - ``train/aux/<name>``: each auxiliary term's mean over the window's microbatches and ranks (one SUM all-reduce
+      of the terms over :attr:`group`).
+
+    :meth:`end_epoch` returns ``train/loss_epoch``, the step losses' mean weighted by ``N``. :attr:`items_total`,
+    every window's ``N`` summed, is the state to checkpoint (:meth:`state_dict`).
+
+    Args:
+        group: the data-parallel ranks, ``strategy.data_parallel_group``, over which the collectives run (``None``:
+            every rank); tensor-parallel peers hold the same counts as their rank.
+        device: where the collectives' tensors live (``fabric.device``).
+        imbalance: compute ``train/imbalance``.
+
+    Example (one process, no collective)::
+
+        >>> metrics = ItemMetrics(imbalance=False)
+        >>> metrics.update(WindowResult(step=0, items=8.0, local_items=2.0, loss=2.5), elapsed=0.5)
+        >>> metrics.compute()
+        {'train/items_per_sec': 16.0, 'train/loss': 2.5, 'train/items': 8.0, 'train/items_local': 2.0}
+    """
+
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, device: torch.device | None = None, imbalance: bool = True
+    ) -> None:
+        self.group, self.device, self.imbalance = group, device or torch.device("cpu"), imbalance
+        self.items_total = 0.0
+        self._window: WindowResult | None = None
+        self._elapsed: float | None = None
+        self._aux: Mapping[str, Tensor] = {}
+        self._microbatches = 1
+        self._epoch = [0.0, 0.0]  # Σ N·loss and Σ N over the epoch's windows with items
+
+    def update(
+        self,
+        window: WindowResult,
+        *,
+        elapsed: float | None = None,
+        aux: Mapping[str, Tensor] | None = None,
+        microbatches: int = 1,
+    ) -> None:
+        """Takes the result of the window that just ended.
+
+        Args:
+            window: ``strategy.last_window``, once the window's last backward returned.
+            elapsed: the window's wall time in seconds, from its first microbatch to its end (``None``: no
+                ``train/items_per_sec``).
+            aux: each auxiliary term summed over this rank's microbatches of the window (a replay adds nothing).
+            microbatches: the window's microbatches on this rank, replays included (each rank runs as many).
+        """
+        self._window, self._elapsed, self._aux, self._microbatches = window, elapsed, aux or {}, microbatches
+        self.items_total += window.items
+        if window.items > 0:
+            self._epoch[0] += window.loss * window.items
+            self._epoch[1] += window.items
+
+    def compute(self, collectives: bool = True) -> dict[str, float | Tensor]:
+        """The values of the last window (nothing before the first), by the names they are logged under.
+
+        Args:
+            collectives: add ``train/imbalance`` and ``train/aux/<name>``, which take one all-reduce each over
+                :attr:`group`: every rank of it calls :meth:`compute` alike. ``False`` leaves them out.
+        """
+        window = self._window
+        if window is None:
+            return {}
+        values: dict[str, float | Tensor] = {}
+        if self._elapsed is not None:
+            values["train/items_per_sec"] = window.items / self._elapsed if self._elapsed > 0 else math.nan
+        if window.items > 0:
+            values["train/loss"] = window.loss
+        values["train/items"], values["train/items_local"] = window.items, window.local_items
+        if collectives and self.imbalance:
+            values["train/imbalance"] = self._imbalance(window)
+        if collectives and self._aux:
+            values.update(self._aux_means(window))
+        return values
+
+    def end_epoch(self) -> dict[str, float]:
+        """Ends the epoch: returns its ``train/loss_epoch``, the step losses' mean weighted by ``N``.
+
+        Nothing where every ``N`` was 0. The next window starts a new epoch.
+        """
+        total, items = self._epoch
+        self._epoch = [0.0, 0.0]
+        return {"train/loss_epoch": total / items} if items > 0 else {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: :attr:`items_total`."""
+        return {"items_total": self.items_total}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Resumes :attr:`items_total` from :meth:`state_dict`."""
+        self.items_total = float(state_dict["items_total"])
+
+    def _imbalance(self, window: WindowResult) -> float:
+        """:func:`~lightning_weighted.counts.imbalance` over the window's ranks, from one MAX of their counts."""
+        if window.items <= 0 or not dist.is_initialized():
+            return 1.0
+        largest = torch.tensor(window.local_items, dtype=torch.float64, device=self.device)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
+        return imbalance(float(largest), window.items, window.ranks)
+
+    def _aux_means(self, window: WindowResult) -> dict[str, Tensor]:
+        """Each auxiliary term's mean over the window's microbatches and ranks, from one SUM of every rank's sums.
+
+        The weight the strategies give the terms (each microbatch of each rank alike); a replayed batch adds 0.
+        """
+        names = sorted(self._aux)
+        stacked = torch.stack([torch.as_tensor(self._aux[name], dtype=torch.float64) for name in names])
+        if dist.is_initialized():
+            dist.all_reduce(stacked, group=self.group)
+        means = stacked / (self._microbatches * window.ranks)
+        return {f"train/aux/{name}": mean for name, mean in zip(names, means, strict=True)}
+
+
+class ItemMonitor(Callback):
+    """Logs the weighted objective of every optimizer step of a weighted strategy, as :class:`ItemMetrics` computes it.
+
+    Per optimizer step, ``train/loss``, ``train/items``, ``train/items_local`` and ``train/items_per_sec`` (``N``
+    over the wall time from the step's first microbatch to its end; the loss and the rate in the progress bar); on
+    the steps Lightning logs (every ``log_every_n_steps``), ``train/imbalance`` and each auxiliary term
+    ``training_step`` returns (``"aux"``) as ``train/aux/<name>``, at one all-reduce each over the data-parallel
+    ranks; at each epoch's end, ``train/loss_epoch``. Every value is global already (no ``sync_dist``), and a
+    float64 tensor in a ``64-true`` run. The counts are the strategy's, from an
+    :class:`~lightning_weighted.ItemCounter` or from ``training_step``. :attr:`items_total`, every step's ``N``
+    summed, is kept in checkpoints.
+
+    Args:
+        imbalance: log ``train/imbalance``.
+
+    Example::
+
+        >>> monitor = ItemMonitor()
+        >>> monitor.items_total
+        0.0
+    """
+
+    def __init__(self, imbalance: bool = True) -> None:
+        self.metrics = ItemMetrics(imbalance=imbalance)
+        self._last_step: int | None = None
+        self._started: float | None = None  # when the window in progress began
+        self._aux: dict[str, Tensor] = {}  # the window's auxiliary terms summed over its microbatches on this rank
+        self._microbatches = 0
+
+    @property
+    def items_total(self) -> float:
+        """Every optimizer step's global item count ``N``, summed over the fit (and the fits it resumes)."""
+        return self.metrics.items_total
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        _results(trainer)
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._started is None:
+            self._started = time.perf_counter()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        strategy = _results(trainer)
+        self._microbatches += 1
+        terms = outputs.get("aux") if isinstance(outputs, Mapping) else None
+        if isinstance(terms, Mapping) and not strategy.padding_step:
+            for name, term in terms.items():  # summed on the device: nothing is read per microbatch
+                self._aux[name] = self._aux.get(name, 0.0) + term.detach().reshape(()).double()
+        window = strategy.last_window
+        if window is None or window.step == self._last_step:
+            return  # no optimizer step ended with this batch
+        self._last_step = window.step
+        elapsed = time.perf_counter() - (self._started or math.inf)
+        aux, microbatches, self._aux, self._microbatches, self._started = self._aux, self._microbatches, {}, 0, None
+        metrics = self.metrics
+        metrics.group, metrics.device = strategy.data_parallel_group, pl_module.device
+        metrics.update(window, elapsed=elapsed, aux=aux, microbatches=microbatches)
+        values = {k: loggable(v, pl_module) for k, v in metrics.compute(collectives=_logs_now(trainer)).items()}
+        shown = {k: v for k, v in values.items() if k in _SHOWN}
+        pl_module.log_dict(shown, prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
+        logged = {k: v for k, v in values.items() if k not in _SHOWN}
+        pl_module.log_dict(logged, on_step=True, on_epoch=False, batch_size=1)
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        for name, value in self.metrics.end_epoch().items():
+            # Already global: `sync_dist` averages equal values (exactly), and keeps Lightning from warning.
+            pl_module.log(name, loggable(value, pl_module), sync_dist=True, batch_size=1)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self.metrics.state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.metrics.load_state_dict(state_dict)
+
+
+def loggable(value: float | Tensor, module: LightningModule) -> float | Tensor:
+    """A value for ``self.log``: a float64 tensor where the run is float64, lest Lightning round it to float32."""
+    return torch.as_tensor(value, dtype=torch.float64).to(module.device) if _float64(module) else value
+
+
+def _float64(module: LightningModule) -> bool:
+    trainer = getattr(module, "_trainer", None)  # None outside a fit
+    return trainer is not None and str(trainer.precision).startswith("64")
+
+
+def _results(trainer: Trainer) -> LoopResults:
+    """The weighted strategy whose windows are logged; a clear error for any other."""
+    strategy = trainer.strategy
+    if not isinstance(strategy, LoopResults):
+        raise ValueError(
+            f"ItemMonitor logs the windows of a weighted strategy (`strategy='ddp_weighted'`), but the Trainer uses"
+            f" {type(strategy).__name__}. Pass `strategy='ddp_weighted'` or drop the callback."
+        )
+    return strategy
+
+
+def _logs_now(trainer: Trainer) -> bool:
+    every: int = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by the Trainer's logger connector
+    return trainer.logger is not None and (trainer.global_step + 1) % every == 0
