@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import math
 import os
+import random
 import signal
 import socket
 import statistics
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -250,6 +251,33 @@ def kinds(calls: Sequence[tuple[str, str, int]], steps: int = 1) -> dict[str, li
         entry[0] += 1 / steps
         entry[1] += size / steps
     return totals
+
+
+def timed_rounds(
+    point: Point, names: Sequence[str], step: Callable[[str], None], counter: CollectiveCounter
+) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    """Runs ``point.steps`` rounds of one ``step(name)`` per name, in an order shuffled per round (the same on every
+    rank), each after a barrier. Returns the slowest rank's time of each timed round per name, and the collectives of
+    each name's last warm-up step (DDP has rebuilt its buckets by then)."""
+    times: dict[str, list[float]] = {name: [] for name in names}
+    calls: dict[str, Any] = {}
+    for unit in range(point.steps):
+        order = list(names)
+        random.Random(point.seed * 1_000_003 + unit).shuffle(order)
+        for name in order:
+            dist.barrier()
+            start = time.perf_counter()
+            if unit == point.warmup - 1:
+                with counter.counting() as recorded:
+                    step(name)
+                calls[name] = kinds(recorded)
+            else:
+                step(name)
+            if unit >= point.warmup:
+                times[name].append(time.perf_counter() - start)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, times)
+    return {name: [max(g[name][k] for g in gathered) for k in range(point.rounds)] for name in names}, calls
 
 
 def bucket_counts(ddp: nn.parallel.DistributedDataParallel) -> tuple[int, int]:

@@ -17,9 +17,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
-import random
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -35,13 +33,13 @@ from common import (
     bucket_counts,
     deviation,
     gradient_deviation,
-    kinds,
     local_mean,
     local_sum,
     make_batch,
     make_model,
     reference_gradient,
     reference_params,
+    timed_rounds,
 )
 from cpu_fsdp import CPUFSDPStrategy
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -269,30 +267,13 @@ def interleave(fits: Mapping[str, Fit], point: Point, counter: CollectiveCounter
         fit.start()
         if not fit.baton.arrived.wait(WAIT_S) or fit.baton.error is not None:
             raise RuntimeError(f"{name} did not reach its first step") from fit.baton.error
-    times: dict[str, list[float]] = {name: [] for name in fits}
-    calls: dict[str, Any] = {}
-    for unit in range(point.steps):
-        order = list(fits)
-        random.Random(point.seed * 1_000_003 + unit).shuffle(order)
-        for name in order:
-            dist.barrier()
-            start = time.perf_counter()
-            if unit == point.warmup - 1:
-                with counter.counting() as recorded:
-                    fits[name].release()
-                calls[name] = kinds(recorded)
-            else:
-                fits[name].release()
-            if unit >= point.warmup:
-                times[name].append(time.perf_counter() - start)
+    slowest, calls = timed_rounds(point, list(fits), lambda name: fits[name].release(), counter)
     for name, fit in fits.items():  # the last window and the end of the fit, one fit at a time
         fit.baton.go.set()
         fit.join(WAIT_S)
         if fit.is_alive() or fit.baton.error is not None:
             raise RuntimeError(f"{name} did not finish") from fit.baton.error
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, times)
-    return {name: [max(g[name][k] for g in gathered) for k in range(point.rounds)] for name in fits}, calls
+    return slowest, calls
 
 
 def run_point(

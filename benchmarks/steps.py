@@ -34,13 +34,13 @@ from common import (
     bucket_counts,
     deviation,
     gradient_deviation,
-    kinds,
     local_mean,
     local_sum,
     make_batch,
     make_model,
     reference_gradient,
     reference_params,
+    timed_rounds,
 )
 from torch import Tensor, nn
 
@@ -204,6 +204,10 @@ def build(point: Point, names: Sequence[str], rank: int, world: int, windows: in
     return {name: VARIANTS[name](copy.deepcopy(model), world, point.accumulate, stream) for name in names}
 
 
+def _stepping(models: dict[str, PlainDDPStep]) -> Any:
+    return lambda name: models[name].step()
+
+
 def run_point(point: Point, names: Sequence[str], counter: CollectiveCounter, correctness: bool) -> dict[str, Any]:
     """Every variant's ``point.steps`` steps, one each per round in an order shuffled per round (the same on every
     rank), each after a barrier; a step's time is the slowest rank's. Collectives are counted over the last warm-up
@@ -211,25 +215,7 @@ def run_point(point: Point, names: Sequence[str], counter: CollectiveCounter, co
     rank, world = dist.get_rank(), dist.get_world_size()
     models = build(point, names, rank, world)
     initial = {name: [p.clone() for p in model.parameters()] for name, model in models.items()}
-    times: dict[str, list[float]] = {name: [] for name in names}
-    calls: dict[str, Any] = {}
-    for unit in range(point.steps):
-        order = list(names)
-        random.Random(point.seed * 1_000_003 + unit).shuffle(order)
-        for name in order:
-            dist.barrier()
-            start = time.perf_counter()
-            if unit == point.warmup - 1:
-                with counter.counting() as recorded:
-                    models[name].step()
-                calls[name] = kinds(recorded)
-            else:
-                models[name].step()
-            if unit >= point.warmup:
-                times[name].append(time.perf_counter() - start)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, times)
-    slowest = {name: [max(g[name][k] for g in gathered) for k in range(point.rounds)] for name in names}
+    slowest, calls = timed_rounds(point, names, _stepping(models), counter)
     result: dict[str, Any] = {"point": point.__dict__, "times": slowest, "collectives": calls}
     result["buckets"] = {name: bucket_counts(model.ddp) for name, model in models.items()}
     if correctness and rank == 0:
