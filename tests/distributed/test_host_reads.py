@@ -50,7 +50,7 @@ def test_the_check_fails_where_a_per_microbatch_read_is_put_back():
         count = torch.tensor(3).as_subclass(DeviceTensor)
         window = Window()
         window.add(read_count(count), loss=torch.tensor(1.5).as_subclass(DeviceTensor))
-        window.payload(0, True, torch.device("cpu"))
+        window.payload(True, torch.device("cpu"))
         assert strategy_reads({"reads": spy.reads}, "device", ours=True) == Counter()
         window.add(read_count(count, host=True))
         assert strategy_reads({"reads": spy.reads}, "device", ours=True) == Counter({0: 1})
