@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import json
 import time
+import types
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
-from reads import ReadSpy, to_device, to_host
+from reads import ReadSpy, to_device
 from scenario import (
     Batch,
     Config,
@@ -27,15 +28,12 @@ from scenario import (
     count_of,
     inject,
     item_losses,
-    make_batches,
     make_model,
     make_optimizer,
     masked_mean,
-    shared_dataset,
+    train_loader,
 )
-from sharded_worker import local, whole
-from torch.utils.data import DataLoader, Dataset, IterableDataset
-from worker import Recorder, rank_arguments
+from worker import Recorder, grad_norm, local, rank_arguments, whole
 
 import lightning_weighted
 from lightning_weighted import ItemMetrics
@@ -71,43 +69,6 @@ def make_strategy(config: FabricConfig) -> Any:
     return DDPStrategy(**kwargs)
 
 
-class _Epochs:
-    """The current epoch of a rank's own microbatches (each item a whole microbatch: `batch_size=None`)."""
-
-    def __init__(self, config: Config, rank: int) -> None:
-        self.epochs = [make_batches(config, rank, e) for e in range(config.epochs)]
-        self.epoch = 0
-
-
-class _EpochList(Dataset[Batch]):
-    def __init__(self, epochs: _Epochs) -> None:
-        self.epochs = epochs
-
-    def __len__(self) -> int:
-        return len(self.epochs.epochs[0])
-
-    def __getitem__(self, index: int) -> Batch:
-        return self.epochs.epochs[self.epochs.epoch][index]
-
-
-class _EpochStream(IterableDataset[Batch]):
-    def __init__(self, epochs: _Epochs) -> None:
-        self.epochs = epochs
-
-    def __iter__(self) -> Iterator[Batch]:
-        return iter(self.epochs.epochs[self.epochs.epoch])
-
-
-def make_loader(config: Config, rank: int) -> tuple[DataLoader[Any], _Epochs | None]:
-    if config.items is not None:  # one dataset, sharded by the sampler Fabric sets up
-        return DataLoader(shared_dataset(config), batch_size=config.batch_size, shuffle=True), None
-    epochs = _Epochs(config, rank)
-    dataset: Dataset[Batch] = _EpochStream(epochs) if config.iterable else _EpochList(epochs)
-    if config.host_reads:  # the loader hands out host batches
-        epochs.epochs = [[to_host(b) for b in e] for e in epochs.epochs]
-    return DataLoader(dataset, batch_size=None), epochs
-
-
 def main() -> None:
     args = rank_arguments()
     config = FabricConfig(**json.loads(args.config))
@@ -133,15 +94,15 @@ def main() -> None:
             fabric.setup_module(make_model(config.seed + 1))
         metrics = ItemMetrics(strategy.data_parallel_group, fabric.device) if config.metrics else None
         record["metrics"], record["epoch_metrics"] = [], []
-        loader, epochs = make_loader(config, rank)
+        clock = types.SimpleNamespace(current_epoch=0)  # the epoch the loader serves
+        loader = train_loader(config, rank, clock)
         loader = fabric.setup_dataloaders(loader, use_distributed_sampler=config.items is not None)
         # the mean over the ranks of an integer: 7 items on rank 0 and none on rank 1 (3.5, not Lightning's floor)
         record["mean_of_ints"] = float(fabric.all_reduce(torch.tensor(7 if rank == 0 else 0), reduce_op="mean"))
         if config.count_collectives:
             recorder.count_collectives()
         for epoch in range(config.epochs):
-            if epochs is not None:
-                epochs.epoch = epoch
+            clock.current_epoch = epoch
             train_epoch(fabric, config, model, optimizer, loader, record, metrics)
             if metrics is not None:
                 record["epoch_metrics"].append(metrics.end_epoch())
@@ -161,14 +122,20 @@ def main() -> None:
         torch.save(record, f"{args.out}.rank{rank}")
 
 
-def counted_ahead(config: Config, strategy: Any, loader: Any) -> Iterator[tuple[int, Batch]]:
+def fetched(strategy: Any, loader: Any) -> Iterator[tuple[int, Batch, bool]]:
+    """The loader's batches with their index, each with whether the strategy marked it a replay when it came."""
+    for index, batch in enumerate(loader):
+        yield index, batch, bool(getattr(strategy, "padding_step", False))
+
+
+def counted_ahead(config: Config, strategy: Any, loader: Any) -> Iterator[tuple[int, Batch, bool]]:
     """The loader's batches, each window's fetched first and its counts handed over (as torchtitan counts)."""
-    held: list[tuple[int, Batch]] = []
-    for item in itertools.chain(enumerate(loader), [None]):
+    held: list[tuple[int, Batch, bool]] = []
+    for item in itertools.chain(fetched(strategy, loader), [None]):
         if item is not None:
             held.append(item)
         if held and (item is None or len(held) == config.accumulate):
-            strategy.count_ahead([count_of(config, b[2]) for _, b in held], integer=config.mode != "weights")
+            strategy.count_ahead([count_of(config, b[2]) for _, b, _ in held], integer=config.mode != "weights")
             yield from held
             held = []
 
@@ -187,12 +154,12 @@ def train_epoch(
     aux: dict[str, torch.Tensor] = {}  # its auxiliary terms summed over this rank's microbatches
     microbatches = 0
     length = None if config.iterable else len(loader)
-    batches = counted_ahead(config, strategy, loader) if config.ahead else enumerate(loader)
+    batches = counted_ahead(config, strategy, loader) if config.ahead else fetched(strategy, loader)
     spy: ReadSpy = record["spy"]
-    for index, (x, y, w) in batches:
+    for index, (x, y, w), replay in batches:
         if config.host_reads:  # the batch reaches the device: every host read of a value computed from it counts
             x, y, w = to_device((x, y, w))
-            spy.mark, spy.active = (index // a, index), True
+            spy.mark, spy.active = (len(record["steps"]), index), True  # the optimizer step of the window
         if config.device == "cuda":
             x, y, w = (t.to(fabric.device, non_blocking=True) for t in (x, y, w))
             if config.sync_debug and index >= 2 * a:  # past DDP's bucket rebuild, which reads once
@@ -201,7 +168,7 @@ def train_epoch(
             y, w = y.double(), w.double()
         last = (index + 1) % a == 0 or index + 1 == length
         started, microbatches = started or time.perf_counter(), microbatches + 1
-        record["padding"].append(bool(getattr(strategy, "padding_step", False)))
+        record["padding"].append(replay)
         if config.fault is not None and config.fault[2] == index:
             inject(config.fault, fabric.global_rank, "training_step")
         sync_off = config.marking == "no_sync" and not last
@@ -226,8 +193,7 @@ def train_epoch(
                     keywords.pop("count", None)  # handed over ahead
                 if config.aux == "parts":
                     keywords["aux"] = aux_terms(model.module, x)  # the module Fabric set up, its layers called
-                    for name, term in keywords["aux"].items():
-                        replay = strategy.padding_step  # a replay of an exhausted rank adds nothing
+                    for name, term in keywords["aux"].items():  # a replay of an exhausted rank adds nothing
                         aux[name] = aux.get(name, 0.0) + (0.0 if replay else term.detach().double())
                 fabric.backward(total if config.item_sum else mean, reduction=reduction, **keywords)
         spy.active = False
@@ -242,9 +208,8 @@ def train_epoch(
         window = getattr(strategy, "last_window", None)
         if window is not None:
             record["windows"].append((window.step, window.items, window.local_items))
-        grads = [whole(p.grad).double() for p in model.parameters() if p.grad is not None]
-        norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0
-        step: dict[str, Any] = {"norm": norm, "collectives": len(record["collectives"])}
+        grads = [whole(p.grad) for p in model.parameters() if p.grad is not None]
+        step: dict[str, Any] = {"norm": grad_norm(grads), "collectives": len(record["collectives"])}
         if config.clip is not None:
             if config.clip_algorithm == "value":
                 fabric.clip_gradients(model, optimizer, clip_val=config.clip)

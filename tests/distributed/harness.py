@@ -16,7 +16,7 @@ from launcher import ROOT, Done, ranks, run
 from scenario import Config
 
 HERE = Path(__file__).parent
-__all__ = ["HERE", "ROOT", "fit", "logged_rows", "run_worker", "strategy_reads"]
+__all__ = ["HERE", "ROOT", "fabric_fit", "fit", "logged_rows", "run_worker", "strategy_reads"]
 
 
 def logged_rows(tmp_path: Path, column: str) -> list[dict[str, str]]:
@@ -77,3 +77,10 @@ def fit(
     assert done.returncode == 0, done.stdout[-8000:]
     records = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(config.world_size)]
     return (records, done.stdout) if output else records
+
+
+def fabric_fit(config: Any, tmp_path: Path, timeout: float = 120, expect_failure: bool = False) -> Any:
+    """Runs `fabric_worker.py` on the config's ranks; returns every rank's record (with `error` when one raised)."""
+    out, done = run_worker("fabric_worker.py", config, tmp_path, timeout)
+    assert (done.returncode != 0) == expect_failure, done.stdout[-8000:]
+    return [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(config.world_size)]

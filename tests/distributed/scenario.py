@@ -11,7 +11,7 @@ import copy
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torchmetrics
@@ -243,18 +243,13 @@ class WeightedModule(LightningModule):
 
         return DataLoader(validation_set(self.config), batch_size=4)
 
-    def train_dataloader(self) -> Any:
-        from torch.utils.data import DataLoader
+    @property
+    def data_rank(self) -> int:
+        """Which rank's microbatches this process trains on."""
+        return self.global_rank
 
-        if self.config.items is not None:
-            return DataLoader(shared_dataset(self.config), batch_size=self.config.batch_size, shuffle=True)
-        epochs = [make_batches(self.config, self.global_rank, e) for e in range(self.config.epochs)]
-        if self.config.host_reads:
-            epochs = [[to_host(b) for b in e] for e in epochs]
-        if self.config.iterable:
-            return DataLoader(_EpochStream(epochs, self), batch_size=None)
-        per_epoch = len(epochs[0])
-        return DataLoader(_EpochList([b for e in epochs for b in e], per_epoch, self), batch_size=None)
+    def train_dataloader(self) -> Any:
+        return train_loader(self.config, self.data_rank, self)
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         batch = super().transfer_batch_to_device(batch, device, dataloader_idx)
@@ -304,27 +299,48 @@ def inject(fault: Sequence[Any], rank: int, where: str) -> Any:
     raise ValueError(f"unknown fault {kind!r}")
 
 
-class _EpochList(torch.utils.data.Dataset[Batch]):
-    """Serves the current epoch's microbatches of this rank."""
+class Clock(Protocol):
+    """What says which epoch a loader serves: the LightningModule (its trainer's epoch), or a Fabric loop's own."""
 
-    def __init__(self, batches: list[Batch], per_epoch: int, module: LightningModule) -> None:
-        self.batches, self.per_epoch, self.module = batches, per_epoch, module
+    current_epoch: int
+
+
+def train_loader(config: Config, rank: int, clock: Clock) -> torch.utils.data.DataLoader[Any]:
+    """Rank `rank`'s training loader: its own microbatches of `clock`'s epoch (whole microbatches, `batch_size=None`),
+    or with `items` one shared data set that the front end's sampler shards."""
+    from torch.utils.data import DataLoader
+
+    if config.items is not None:
+        return DataLoader(shared_dataset(config), batch_size=config.batch_size, shuffle=True)
+    epochs = [make_batches(config, rank, e) for e in range(config.epochs)]
+    if config.host_reads:  # the loader hands out host batches
+        epochs = [[to_host(b) for b in e] for e in epochs]
+    if config.iterable:
+        return DataLoader(_EpochStream(epochs, clock), batch_size=None)
+    return DataLoader(_EpochList(epochs, clock), batch_size=None)
+
+
+class _EpochList(torch.utils.data.Dataset[Batch]):
+    """Serves the current epoch's microbatches of one rank."""
+
+    def __init__(self, epochs: list[list[Batch]], clock: Clock) -> None:
+        self.epochs, self.clock = epochs, clock
 
     def __len__(self) -> int:
-        return self.per_epoch
+        return len(self.epochs[0])
 
     def __getitem__(self, index: int) -> Batch:
-        return self.batches[self.module.current_epoch * self.per_epoch + index]
+        return self.epochs[self.clock.current_epoch][index]
 
 
 class _EpochStream(torch.utils.data.IterableDataset[Batch]):
-    """Streams the current epoch's microbatches of this rank, without a length."""
+    """Streams the current epoch's microbatches of one rank, without a length."""
 
-    def __init__(self, epochs: list[list[Batch]], module: LightningModule) -> None:
-        self.epochs, self.module = epochs, module
+    def __init__(self, epochs: list[list[Batch]], clock: Clock) -> None:
+        self.epochs, self.clock = epochs, clock
 
     def __iter__(self) -> Any:
-        return iter(self.epochs[self.module.current_epoch])
+        return iter(self.epochs[self.clock.current_epoch])
 
 
 def make_optimizer(config: Config, params: Any) -> torch.optim.Optimizer:

@@ -8,21 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from cpu_fsdp import CPUFSDPStrategy
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
-from reads import to_host
-from scenario import Config, WeightedModule, make_batches, shared_dataset
-from torch import Tensor, nn
+from scenario import Config, WeightedModule
+from torch import nn
 from worker import Recorder, make_monitoring, rank_arguments
 
 import lightning_weighted
@@ -97,93 +93,6 @@ class ShardedModule(WeightedModule):
         for layer in (self.model[0], self.model[2], self.model):
             fully_shard(layer, mesh=mesh, mp_policy=policy)
 
-    def train_dataloader(self) -> Any:
-        from scenario import _EpochList, _EpochStream
-        from torch.utils.data import DataLoader
-
-        if self.config.items is not None:  # one data set, sharded by Lightning's sampler (which the strategy swaps)
-            return DataLoader(shared_dataset(self.config), batch_size=self.config.batch_size, shuffle=True)
-        epochs = [make_batches(self.config, self.data_rank, e) for e in range(self.config.epochs)]
-        if self.config.host_reads:
-            epochs = [[to_host(b) for b in e] for e in epochs]
-        if self.config.iterable:
-            return DataLoader(_EpochStream(epochs, self), batch_size=None)
-        return DataLoader(_EpochList([b for e in epochs for b in e], len(epochs[0]), self), batch_size=None)
-
-
-@contextmanager
-def full(trainer: Trainer, grads: bool = False) -> Iterator[None]:
-    """Makes FSDP1's parameters (and gradients) whole for the block; FSDP2's are made whole by `whole`."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    model = trainer.strategy.model
-    if isinstance(model, FullyShardedDataParallel):
-        with FullyShardedDataParallel.summon_full_params(model, writeback=False, with_grads=grads):
-            yield
-    else:
-        yield
-
-
-def whole(tensor: Tensor) -> Tensor:
-    full_tensor = getattr(tensor, "full_tensor", None)
-    return (full_tensor() if full_tensor is not None else tensor).detach().clone()
-
-
-def local(value: Any) -> Any:
-    to_local = getattr(value, "to_local", None)
-    return (to_local() if to_local is not None else value).clone() if isinstance(value, Tensor) else value
-
-
-class ShardedRecorder(Recorder):
-    """`Recorder` for sharded parameters: whole parameters and gradients, this rank's optimizer state."""
-
-    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        return None
-
-    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        with full(trainer, grads=True):
-            grads = [whole(p.grad) for p in pl_module.model.parameters() if p.grad is not None]
-        norm = float(torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads]))) if grads else 0.0
-        self.steps.append({"norm": norm, "collectives": len(self.collectives)})
-
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        self.padding.append(bool(getattr(trainer.strategy, "padding_step", False)))
-        window = getattr(trainer.strategy, "last_window", None)
-        if window is not None and (not self.windows or self.windows[-1][0] != window.step):
-            self.windows.append((window.step, window.items, window.local_items))
-        if not self.steps or "params" in self.steps[-1]:
-            return
-        optimizer = trainer.optimizers[0]
-        with full(trainer):
-            self.steps[-1]["params"] = [whole(p) for p in pl_module.model.parameters()]
-        self.steps[-1]["state"] = {
-            k: {n: local(t) for n, t in v.items()} for k, v in optimizer.state_dict()["state"].items()
-        }
-        self.steps[-1]["lr"] = optimizer.param_groups[0]["lr"]
-
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.spy.active = False
-        self.spy.uninstall()
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
-        with full(trainer):
-            params = [whole(p) for p in pl_module.model.parameters()]
-        record = {
-            "rank": trainer.global_rank,
-            "params": params,
-            "steps": self.steps,
-            "collectives": self.collectives,
-            "global_step": trainer.global_step,
-            "skipped_steps": getattr(trainer.strategy, "skipped_steps", None),
-            "padding": self.padding,
-            "windows": self.windows,
-            "batches": self.batches,
-            "audits": [dataclasses.asdict(r) for r in self.audit.reports] if self.config.audit else [],
-            "counts_ahead": getattr(trainer.strategy, "counts_ahead", None),
-            "reads": self.spy.reads,
-        }
-        torch.save(record, f"{self.out}.rank{trainer.global_rank}")
-
 
 def make_strategy(config: ShardedConfig) -> Any:
     timeout = timedelta(seconds=config.pg_timeout)
@@ -223,7 +132,7 @@ def make_strategy(config: ShardedConfig) -> Any:
 def main() -> None:
     args = rank_arguments()
     config = ShardedConfig(**json.loads(args.config))
-    recorder = ShardedRecorder(config, args.out)
+    recorder = Recorder(config, args.out)
     callbacks: list[Callback] = [recorder]
     if config.checkpoint:
         callbacks.append(ModelCheckpoint(dirpath=f"{args.out}.ckpt", save_top_k=-1, save_on_train_epoch_end=True))
@@ -233,8 +142,8 @@ def main() -> None:
         callbacks += make_monitoring(config)
         logger = CSVLogger(f"{args.out}.logs", name="", version="")
     if config.audit:
-        recorder.audit = lightning_weighted.ObjectiveAudit(every_n_steps=1, on_mismatch="raise")  # type: ignore[attr-defined]
-        callbacks.append(recorder.audit)  # type: ignore[attr-defined]
+        recorder.audit = lightning_weighted.ObjectiveAudit(every_n_steps=1, on_mismatch="raise")
+        callbacks.append(recorder.audit)
     trainer = Trainer(
         strategy=make_strategy(config),
         accelerator=config.device,

@@ -18,7 +18,9 @@ from scenario import Config, identical, is_finite, max_relative_error, reference
         (False, True),  # a count on the device: its loss times 0, exact where the mean's gradient is finite
     ],
 )
-def test_fully_masked_microbatches_contribute_exactly_zero(tmp_path, find_unused, python_count, safe_mean):
+def test_fully_masked_microbatches_contribute_exactly_zero_under_ddp_with_or_without_unused_parameters(
+    tmp_path, find_unused, python_count, safe_mean
+):
     # rank 0's microbatch 1 and rank 1's microbatch 4 have every token masked
     config = Config(
         strategy="ddp_weighted",
@@ -43,7 +45,7 @@ def test_a_nan_mean_counted_0_on_the_device_is_the_same_clear_error_on_every_ran
     assert "divide by `n.clamp(min=1)`" in done.stdout
 
 
-def test_a_window_without_items_leaves_params_optimizer_and_scheduler_bit_identical(tmp_path):
+def test_a_window_without_items_leaves_ddps_params_optimizer_and_scheduler_bit_identical(tmp_path):
     # windows 0, 1, 2 of A = 2; window 1 has no valid item on any rank
     config = Config(strategy="ddp_weighted", accumulate=2, empty_windows=[1], optimizer="adam", scheduler=True, lr=0.05)
     result = fit(config, tmp_path)
@@ -99,7 +101,7 @@ def test_every_one_of_several_buckets_is_multiplied_by_p_c_over_n_after_the_redu
     ("precision", "rtol"),
     [("64-true", 1e-10), ("32-true", 1e-5), ("bf16-mixed", 3e-2), ("16-mixed", 3e-2), ("bf16-true", 5e-2)],
 )
-def test_every_precision_gives_the_reference_within_its_precision(tmp_path, precision, rtol):
+def test_every_trainer_precision_under_ddp_gives_the_reference_within_its_precision(tmp_path, precision, rtol):
     config = Config(strategy="ddp_weighted", accumulate=2, mode="weights", precision=precision, lr=0.05)
     result = fit(config, tmp_path)
     expected = reference(config)
@@ -154,7 +156,7 @@ def test_unsupported_combinations_are_refused_at_setup_on_every_rank(tmp_path, c
         (-3, "ValueError", "on rank 1, a microbatch's count is negative (-3)", "bf16-true"),
     ],
 )
-def test_a_bad_count_on_one_rank_raises_the_same_error_on_every_rank_before_the_step(
+def test_a_bad_returned_count_on_one_ddp_rank_raises_the_same_error_on_every_rank_before_the_step(
     tmp_path, value, error, message, precision
 ):
     config = Config(strategy="ddp_weighted", accumulate=2, bad_count=[1, 3, value], precision=precision)

@@ -17,7 +17,7 @@ def _steps_per_epoch(config: Config) -> int:
 
 @pytest.mark.parametrize("lengths", [(5, 3), (4, 0), (2, 6)])
 @pytest.mark.parametrize("iterable", [False, True])
-def test_uneven_batch_counts_train_the_global_item_mean_over_two_epochs(tmp_path, lengths, iterable):
+def test_uneven_batch_counts_under_ddp_train_the_global_item_mean_over_two_epochs(tmp_path, lengths, iterable):
     config = Config(
         strategy="ddp_weighted", lengths=lengths, iterable=iterable, accumulate=2, epochs=2, log_sync_dist=True
     )
@@ -59,7 +59,7 @@ def test_plain_ddp_with_uneven_batch_counts_crashes_or_trains_wrong(tmp_path, it
         assert done.returncode != 0
 
 
-def test_strict_participation_names_each_ranks_batch_count(tmp_path):
+def test_strict_participation_under_ddp_names_each_ranks_batch_count(tmp_path):
     config = Config(strategy="ddp_weighted", lengths=(5, 3), participation="strict")
     done = fit(config, tmp_path, timeout=90, expect_failure=True)
     message = "participation='strict' needs every rank to hold the same number of batches, but they differ in"

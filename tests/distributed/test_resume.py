@@ -20,7 +20,7 @@ def _checkpoint(tmp_path: Path, name: str) -> str:
 
 
 @pytest.mark.parametrize("counts_ahead", [False, True])
-def test_resuming_from_an_epoch_end_checkpoint_matches_the_uninterrupted_run(tmp_path, counts_ahead):
+def test_resuming_ddp_from_an_epoch_end_checkpoint_matches_the_uninterrupted_run(tmp_path, counts_ahead):
     # counts ahead: an ItemCounter counts the batches; the checkpoint holds the module's parameters only
     base = dataclasses.replace(BASE, counter="quiet", bare_loss=True) if counts_ahead else BASE
     uninterrupted = fit(base, tmp_path / "u")

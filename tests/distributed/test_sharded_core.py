@@ -18,7 +18,9 @@ PLAIN = {"fsdp2_weighted": "fsdp2", "fsdp_weighted": "fsdp"}
     ("strategy", "every_microbatch"), [("fsdp2_weighted", False), ("fsdp_weighted", False), ("fsdp_weighted", True)]
 )
 @pytest.mark.parametrize("python_count", [True, False])
-def test_fully_masked_microbatches_contribute_exactly_zero(tmp_path, strategy, every_microbatch, python_count):
+def test_fully_masked_microbatches_contribute_exactly_zero_whenever_fsdp_reduces(
+    tmp_path, strategy, every_microbatch, python_count
+):
     # rank 0's microbatch 1 and rank 1's microbatch 4 have every token masked. Counted on the host, their means are
     # 0/0 = NaN: FSDP2 zeroes them in its reduce-scatter, FSDP1 before they accumulate (once per window, or every
     # microbatch, here with activation checkpointing: the backward recomputes the forward). Counted on the device,
@@ -46,7 +48,7 @@ def test_a_nan_mean_counted_0_on_the_device_is_the_same_clear_error_on_every_ran
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_a_window_without_items_leaves_params_optimizer_and_scheduler_bit_identical(tmp_path, strategy):
+def test_a_window_without_items_leaves_every_shard_of_params_optimizer_and_scheduler_bit_identical(tmp_path, strategy):
     # windows 0, 1, 2 of A = 2; window 1 has no valid item on any rank
     config = ShardedConfig(
         strategy=strategy, accumulate=2, empty_windows=[1], optimizer="adam", scheduler=True, lr=0.05
@@ -64,7 +66,9 @@ def test_a_window_without_items_leaves_params_optimizer_and_scheduler_bit_identi
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize(("lengths", "iterable"), [((5, 3), True), ((4, 0), False)])
-def test_uneven_batch_counts_train_the_global_item_mean_over_two_epochs(tmp_path, strategy, lengths, iterable):
+def test_uneven_batch_counts_under_fsdp_train_the_global_item_mean_with_every_rank_in_step(
+    tmp_path, strategy, lengths, iterable
+):
     # the unsized run counts with ItemCounter (the mask) and returns a bare mean
     config = ShardedConfig(
         strategy=strategy,
@@ -139,7 +143,7 @@ def test_a_data_set_not_divisible_by_ranks_batch_and_window_counts_each_item_onc
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_strict_participation_names_each_ranks_batch_count(tmp_path, strategy):
+def test_strict_participation_under_fsdp_names_each_ranks_batch_count(tmp_path, strategy):
     config = ShardedConfig(strategy=strategy, lengths=(5, 3), participation="strict")
     done = fit_sharded(config, tmp_path, timeout=90, expect_failure=True)
     message = "participation='strict' needs every rank to hold the same number of batches, but they differ in"
@@ -156,7 +160,7 @@ def test_strict_participation_names_each_ranks_batch_count(tmp_path, strategy):
         ("many", "TypeError", "on rank 1, a microbatch's count is not a number"),
     ],
 )
-def test_a_bad_count_on_one_rank_raises_the_same_error_on_every_rank_before_the_step(
+def test_a_bad_returned_count_on_one_sharded_rank_raises_the_same_error_on_every_rank_before_the_step(
     tmp_path, strategy, value, error, message
 ):
     config = ShardedConfig(strategy=strategy, accumulate=2, bad_count=[1, 3, value])
@@ -233,7 +237,9 @@ def test_one_tiny_collective_per_optimizer_step_is_all_it_adds(tmp_path, strateg
         ("fsdp_weighted", "32-true", "bf16/fp32", 1e-2),  # MixedPrecision(param bf16, reduce fp32)
     ],
 )
-def test_every_precision_gives_the_reference_within_its_precision(tmp_path, strategy, precision, mixed, rtol):
+def test_every_precision_and_fsdp_mixed_precision_policy_gives_the_reference_within_its_precision(
+    tmp_path, strategy, precision, mixed, rtol
+):
     float64 = mixed == "float64"
     config = ShardedConfig(
         strategy=strategy,

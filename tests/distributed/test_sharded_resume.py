@@ -28,7 +28,9 @@ TOLERANCE = {
         *((strategy, False, True) for strategy in TOLERANCE),  # ItemCounter: the counts taken ahead
     ],
 )
-def test_resuming_from_an_epoch_end_checkpoint_matches_the_uninterrupted_run(tmp_path, strategy, full, counts_ahead):
+def test_resuming_fsdp_from_a_sharded_or_full_epoch_end_checkpoint_matches_the_uninterrupted_run(
+    tmp_path, strategy, full, counts_ahead
+):
     tolerance = TOLERANCE[strategy]
     base = ShardedConfig(
         strategy=strategy,

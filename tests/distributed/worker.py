@@ -6,11 +6,14 @@ Run as a script (the popen launcher re-executes it on every rank); the tests sta
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import faulthandler
 import inspect
 import json
 import signal
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -23,6 +26,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 from reads import ReadSpy
 from scenario import Config, WeightedModule
+from torch import Tensor
 
 import lightning_weighted
 from lightning_weighted import ItemMonitor
@@ -48,8 +52,42 @@ def collectives() -> dict[str, Any]:
     }
 
 
+@contextmanager
+def full(trainer: Trainer, grads: bool = False) -> Iterator[None]:
+    """Makes FSDP1's parameters (and gradients) whole for the block; FSDP2's are made whole by `whole`."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = trainer.strategy.model
+    if isinstance(model, FullyShardedDataParallel):
+        with FullyShardedDataParallel.summon_full_params(model, writeback=False, with_grads=grads):
+            yield
+    else:
+        yield
+
+
+def whole(tensor: Tensor) -> Tensor:
+    """A copy of the whole tensor: an FSDP2 shard (a DTensor) gathered, any other tensor as it is."""
+    full_tensor = getattr(tensor, "full_tensor", None)
+    return (full_tensor() if full_tensor is not None else tensor).detach().clone()
+
+
+def local(value: Any) -> Any:
+    """A copy of this rank's part of a value: a DTensor's local shard, any other tensor as it is."""
+    to_local = getattr(value, "to_local", None)
+    return (to_local() if to_local is not None else value).clone() if isinstance(value, Tensor) else value
+
+
+def grad_norm(grads: list[Tensor]) -> float:
+    """The float64 norm over every gradient (0 where no parameter has one)."""
+    return float(torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads]))) if grads else 0.0
+
+
 class Recorder(Callback):
-    """Snapshots gradients, parameters and optimizer state at each optimizer step; counts collectives."""
+    """Snapshots gradients, parameters and optimizer state at each optimizer step; counts collectives.
+
+    Whole parameters and gradients under every engine (FSDP1's summoned, FSDP2's gathered), this rank's optimizer
+    state (its shards under FSDP).
+    """
 
     def __init__(self, config: Config, out: str) -> None:
         self.config, self.out = config, out
@@ -60,6 +98,7 @@ class Recorder(Callback):
         self.windows: list[tuple[int, float, float]] = []  # (global_step, N, local items) per optimizer step
         self.batches: list[tuple[int, int]] = []
         self.spy = ReadSpy()  # with `host_reads`: every host read of a tensor during the fit
+        self.audit: Any = None  # an ObjectiveAudit whose reports the record keeps
         self._originals: dict[str, Any] = {}
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -91,12 +130,13 @@ class Recorder(Callback):
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.validation.append(float(trainer.callback_metrics["val/loss"]))
-        self.validation_params = [p.detach().clone() for p in pl_module.model.parameters()]
+        with full(trainer):
+            self.validation_params = [whole(p) for p in pl_module.model.parameters()]
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        grads = [p.grad for p in pl_module.model.parameters() if p.grad is not None]
-        norm = float(torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads]))) if grads else 0.0
-        self.steps.append({"norm": norm, "collectives": len(self.collectives)})
+        with full(trainer, grads=True):
+            grads = [whole(p.grad) for p in pl_module.model.parameters() if p.grad is not None]
+        self.steps.append({"norm": grad_norm(grads), "collectives": len(self.collectives)})
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self.spy.active = False
@@ -117,10 +157,10 @@ class Recorder(Callback):
         if not self.steps or "params" in self.steps[-1]:
             return
         optimizer = trainer.optimizers[0]
-        self.steps[-1]["params"] = [p.detach().clone() for p in pl_module.model.parameters()]
+        with full(trainer):
+            self.steps[-1]["params"] = [whole(p) for p in pl_module.model.parameters()]
         self.steps[-1]["state"] = {
-            k: {n: t.clone() if isinstance(t, torch.Tensor) else t for n, t in v.items()}
-            for k, v in optimizer.state_dict()["state"].items()
+            k: {n: local(t) for n, t in v.items()} for k, v in optimizer.state_dict()["state"].items()
         }
         self.steps[-1]["lr"] = optimizer.param_groups[0]["lr"]
 
@@ -129,9 +169,12 @@ class Recorder(Callback):
         self.spy.uninstall()
         for name, original in self._originals.items():
             setattr(dist, name, original)
+        with full(trainer):
+            params = [whole(p) for p in pl_module.model.parameters()]
+        ddp_logging = getattr(trainer.strategy.model, "_get_ddp_logging_data", None)  # DDP's alone
         record = {
             "rank": trainer.global_rank,
-            "params": [p.detach().clone() for p in pl_module.model.parameters()],
+            "params": params,
             "steps": self.steps,
             "collectives": self.collectives,
             "global_step": trainer.global_step,
@@ -141,7 +184,8 @@ class Recorder(Callback):
             "validation_params": getattr(self, "validation_params", None),
             "windows": self.windows,
             "batches": self.batches,
-            "comm_hook": trainer.strategy.model._get_ddp_logging_data().get("comm_hook"),
+            "comm_hook": ddp_logging().get("comm_hook") if ddp_logging is not None else None,
+            "audits": [dataclasses.asdict(r) for r in self.audit.reports] if self.audit is not None else [],
             "counts_ahead": getattr(trainer.strategy, "counts_ahead", None),
             "reads": self.spy.reads,
             "items_total": next((c.items_total for c in trainer.callbacks if isinstance(c, ItemMonitor)), None),

@@ -16,10 +16,9 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
-from sharded_worker import whole
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from worked_trace import TARGETS, WorkedTrace
-from worker import device_kwargs, rank_arguments
+from worker import device_kwargs, rank_arguments, whole
 
 import lightning_weighted
 
