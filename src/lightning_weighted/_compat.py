@@ -1,6 +1,8 @@
-"""Every private Lightning and PyTorch symbol this package uses, and every patch it makes, in one place.
+"""Every private Lightning and PyTorch symbol this package uses, read or set through an accessor, in one place.
 
-Beyond these, one protected method of Lightning's is overridden, as Lightning's own subclasses do and where no
+What a weighted fit patches is in :mod:`lightning_weighted.trainer._seam`, each touch named with its reason and
+pinned by ``tests/unit/test_seam.py``; the loader extension is :mod:`lightning_weighted.extension`. Beyond these, one
+protected method of Lightning's is overridden, as Lightning's own subclasses do and where no
 public hook sits: ``FSDPStrategy._setup_model``, to wrap a module on the CPU (``trainer/fsdp1.py``).
 
 Each entry says why no public API serves; every one was checked on Lightning 2.6.0 and 2.6.6 with torch 2.9.0, 2.13.0
