@@ -11,7 +11,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_weighted.loop import LoopResults
+from lightning_weighted.loop import weighted
 
 __all__ = ["ItemCounter", "count_documents", "count_examples", "count_tokens", "count_weights"]
 
@@ -158,11 +158,7 @@ class ItemCounter(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if not isinstance(trainer.strategy, LoopResults):
-            raise ValueError(
-                f"ItemCounter supplies counts to a weighted strategy (`strategy='ddp_weighted'`), but the Trainer"
-                f" uses {type(trainer.strategy).__name__}. Pass `strategy='ddp_weighted'` or drop the callback."
-            )
+        weighted(trainer.strategy, "ItemCounter supplies counts to")
 
 
 def _select(batch: Any, key: str | int) -> Tensor:

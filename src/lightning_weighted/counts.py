@@ -241,8 +241,9 @@ def count_rule(output: object, batch: Any, batch_size: Callable[[Any], int], cou
         >>> count_rule(torch.tensor(1.0), [0, 0, 0, 0], len)  # a bare loss: examples
         Count(value=4.0, problem=None, implicit=True)
     """
-    if isinstance(output, Mapping) and "count" in output:
-        return read_count(output["count"])
+    returned = returned_count(output)
+    if returned is not None:
+        return returned
     if isinstance(counter, tuple):
         return read_count(*counter)
     if counter is not None:

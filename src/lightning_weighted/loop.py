@@ -37,7 +37,7 @@ from lightning_weighted.data import Participation
 from lightning_weighted.engines import Engine
 from lightning_weighted.window import SUMMED, Window, WindowResult
 
-__all__ = ["Batch", "Exchange", "LoopResults", "Reference", "WindowLoop"]
+__all__ = ["Batch", "Exchange", "LoopResults", "Reference", "WindowLoop", "weighted"]
 
 
 @dataclass
@@ -115,7 +115,7 @@ class WindowLoop:
 
     def __init__(self, engine: Engine, device: torch.device, wording: Wording, name: str) -> None:
         self.engine, self.device, self.wording, self.name = engine, device, wording, name
-        self.rank, self.ranks = dist.get_rank(engine.group), dist.get_world_size(engine.group)
+        self.ranks = dist.get_world_size(engine.group)
         self.batch = Batch()
         self.participation: Participation | None = None
         self.planner: Planner | None = None
@@ -317,6 +317,16 @@ class LoopResults:
     def last_window(self) -> WindowResult | None:
         """The result of the last window."""
         return self._loop.last_window if self._loop is not None else None
+
+
+def weighted(strategy: object, role: str) -> LoopResults:
+    """``strategy`` where it is a weighted one; else a clear error, opening with what ``role`` says the caller does."""
+    if not isinstance(strategy, LoopResults):
+        raise ValueError(
+            f"{role} a weighted strategy (`strategy='ddp_weighted'`), but the Trainer uses {type(strategy).__name__}."
+            " Pass `strategy='ddp_weighted'` or drop the callback."
+        )
+    return strategy
 
 
 _NEEDS_GRAPH = (

@@ -20,7 +20,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_weighted.counts import imbalance
-from lightning_weighted.loop import LoopResults
+from lightning_weighted.loop import LoopResults, weighted
 from lightning_weighted.window import WindowResult
 
 __all__ = ["ItemMetrics", "ItemMonitor", "loggable"]
@@ -248,13 +248,7 @@ def _float64(module: LightningModule) -> bool:
 
 def _results(trainer: Trainer) -> LoopResults:
     """The weighted strategy whose windows are logged; a clear error for any other."""
-    strategy = trainer.strategy
-    if not isinstance(strategy, LoopResults):
-        raise ValueError(
-            f"ItemMonitor logs the windows of a weighted strategy (`strategy='ddp_weighted'`), but the Trainer uses"
-            f" {type(strategy).__name__}. Pass `strategy='ddp_weighted'` or drop the callback."
-        )
-    return strategy
+    return weighted(trainer.strategy, "ItemMonitor logs the windows of")
 
 
 def _logs_now(trainer: Trainer) -> bool:

@@ -241,11 +241,6 @@ class Window:
             return torch.tensor([float(self.problem[0]), self.problem[1]], dtype=torch.float64, device=device)
         return torch.stack(self._device_problem()).to(device)
 
-    @property
-    def loss_sum(self) -> Tensor | None:
-        """The loss's item sum over the host counts so far, on the loss's device (``None``: none yet)."""
-        return self._device.get(Slot.LOSS)
-
     def finish(
         self, summed: Sequence[float], step: int, wording: Wording = TRAINER, ranks: int = 1, rows: Rows | None = None
     ) -> WindowResult:
@@ -280,10 +275,9 @@ class Window:
         fields = dict(self._device)
         if not self._tensors:
             return fields
-        counts, found, given, sums = zip(*self._tensors, strict=True)
-        n = torch.stack(counts)
+        _, _, given, sums = zip(*self._tensors, strict=True)
+        n, problems = self._stacked()
         zero = n.new_zeros(())
-        problems = torch.stack([zero if problem is None else problem for problem in found])
         valid = (problems == 0) & (n > 0)
         counted = torch.where(valid, n, 0.0)
         items = counted.sum()
@@ -303,23 +297,31 @@ class Window:
             held = fields.get(Slot.UNCUT)
             fields[Slot.UNCUT] = uncut if held is None else torch.maximum(held, uncut)
         if self.problem is None:
-            fields[Slot.INVALID] = (self._device_problem()[0] > 0).double()
+            fields[Slot.INVALID] = (_first_problem(n, problems, items + self.items)[0] > 0).double()
         return fields
+
+    def _stacked(self) -> tuple[Tensor, Tensor]:
+        """The device counts, and each one's problem (0: valid), stacked in the window's order."""
+        n = torch.stack([count for count, *_ in self._tensors])
+        zero = n.new_zeros(())
+        return n, torch.stack([zero if problem is None else problem for _, problem, *_ in self._tensors])
 
     def _device_problem(self) -> tuple[Tensor, Tensor]:
         """The first problem among the device counts and its value (``0, 0``: none), with the window's total checked."""
         if not self._tensors:
             zero = torch.zeros((), dtype=torch.float64)
             return zero, zero
-        n = torch.stack([count for count, *_ in self._tensors])
-        zero = n.new_zeros(())
-        problems = torch.stack([zero if problem is None else problem for _, problem, *_ in self._tensors])
-        first = (problems > 0).double().argmax()  # the window's first problem (the first microbatch if none)
-        kind, value = torch.take(problems, first), torch.take(n, first)
-        total = torch.where((problems == 0) & (n > 0), n, 0.0).sum() + self.items
-        too_large = (kind == 0) & (total >= MAX_ITEMS)
-        kind = torch.where(too_large, float(Problem.TOO_LARGE), kind)
-        return kind, torch.where(too_large, total, torch.where(kind > 0, value, 0.0))
+        n, problems = self._stacked()
+        return _first_problem(n, problems, torch.where((problems == 0) & (n > 0), n, 0.0).sum() + self.items)
+
+
+def _first_problem(n: Tensor, problems: Tensor, total: Tensor) -> tuple[Tensor, Tensor]:
+    """The first of ``problems`` and its count, else :attr:`Problem.TOO_LARGE` and ``total`` where it reaches 2**53."""
+    first = (problems > 0).double().argmax()  # the window's first problem (the first microbatch if none)
+    kind, value = torch.take(problems, first), torch.take(n, first)
+    too_large = (kind == 0) & (total >= MAX_ITEMS)
+    kind = torch.where(too_large, float(Problem.TOO_LARGE), kind)
+    return kind, torch.where(too_large, total, torch.where(kind > 0, value, 0.0))
 
 
 _INDICES: dict[tuple[tuple[Slot, ...], torch.device], Tensor] = {}
