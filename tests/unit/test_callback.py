@@ -9,21 +9,12 @@ from typing import NamedTuple
 
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_weighted import ItemCounter, ItemMetrics, ItemMonitor, WindowResult, count_documents, count_tokens
 from lightning_weighted.counts import Problem, read_count
 from lightning_weighted.loop import LoopResults
-
-
-@pytest.fixture
-def one_process_group():
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
 
 LABELS = torch.tensor(
     [

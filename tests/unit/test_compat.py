@@ -15,16 +15,17 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import lightning
 import pytest
 import torch
 import torch.distributed as dist
+from pinning import VERSIONS, Pins
 from torch import Tensor, nn
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 from lightning_weighted import _compat
 
-VERSIONS = f"Lightning {lightning.__version__}, torch {torch.__version__}"
+PINS = Pins("_compat.")
+pinned, exercising, source_says = PINS.pinned, PINS.exercising, PINS.source_says
 PINNED: set[str] = set()  # the entries a test of this file pins (checked against `_compat.__all__`)
 MISSING = object()
 
@@ -33,21 +34,6 @@ def pins(*entries: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Marks a test as the pin of ``entries``."""
     PINNED.update(entries)
     return lambda test: test
-
-
-def pinned(entry: str, condition: object, symbol: str, detail: str = "") -> None:
-    """Fails, naming the entry and the private symbol, unless ``condition`` holds."""
-    if not condition:
-        pytest.fail(f"_compat.{entry}: {symbol} changed{f' ({detail})' if detail else ''}, on {VERSIONS}")
-
-
-@contextlib.contextmanager
-def exercising(entry: str, symbol: str) -> Iterator[None]:
-    """Runs the block; an error raised in it fails the test with the entry's and the symbol's names."""
-    try:
-        yield
-    except Exception as error:
-        pytest.fail(f"_compat.{entry}: {symbol} changed ({type(error).__name__}: {error}), on {VERSIONS}")
 
 
 def attribute(entry: str, owner: Any, name: str, where: str) -> Any:
@@ -61,11 +47,6 @@ def takes(entry: str, function: Callable[..., Any], names: list[str], symbol: st
     """``function`` takes the parameters ``names``, in that order (others may follow)."""
     parameters = [name for name in inspect.signature(function).parameters if name != "self"]
     pinned(entry, parameters[: len(names)] == names, symbol, f"parameters {parameters}, expected {names} first")
-
-
-def source_says(entry: str, obj: Any, text: str, symbol: str) -> None:
-    """The source of ``obj`` holds ``text`` (what the package relies on Lightning or torch doing there)."""
-    pinned(entry, text in inspect.getsource(obj), symbol, f"its source no longer holds {text!r}")
 
 
 @pytest.fixture

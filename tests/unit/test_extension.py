@@ -4,32 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning import __version__ as lightning_version
+from pinning import Pins
 from torch.utils.data import DataLoader
 
 from lightning_weighted import extension
 
-VERSIONS = f"Lightning {lightning_version}, torch {torch.__version__}"
-
-
-def pinned(entry: str, condition: object, symbol: str, detail: str = "") -> None:
-    """Fails, naming the function and what it rests on, unless ``condition`` holds."""
-    if not condition:
-        pytest.fail(f"extension.{entry}: {symbol} changed{f' ({detail})' if detail else ''}, on {VERSIONS}")
-
-
-def exercising(entry: str, symbol: str):
-    """Runs the block (an error fails the test with its names)."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def block():
-        try:
-            yield
-        except Exception as error:
-            pytest.fail(f"extension.{entry}: {symbol} changed ({type(error).__name__}: {error}), on {VERSIONS}")
-
-    return block()
+PINS = Pins("extension.")
+pinned, exercising = PINS.pinned, PINS.exercising
 
 
 def test_extend_own_state_and_restore_on_a_plain_dataloader() -> None:

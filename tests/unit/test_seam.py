@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Any
 
-import lightning
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loops.evaluation_loop import _EvaluationLoop
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer import call
+from pinning import Pins
 from torch import nn
 
 from lightning_weighted.trainer._seam import (
@@ -35,18 +33,8 @@ from lightning_weighted.trainer._seam import (
     patched,
 )
 
-VERSIONS = f"Lightning {lightning.__version__}, torch {torch.__version__}"
-
-
-def pinned(touch: str, condition: object, symbol: str, detail: str = "") -> None:
-    """Fails, naming the touch and what Lightning changed, unless ``condition`` holds."""
-    if not condition:
-        pytest.fail(f"_seam {touch}: {symbol} changed{f' ({detail})' if detail else ''}, on {VERSIONS}")
-
-
-def source_says(touch: str, obj: Any, text: str, symbol: str) -> None:
-    """The source of ``obj`` holds ``text`` (what the seam relies on Lightning doing there)."""
-    pinned(touch, text in inspect.getsource(obj), symbol, f"its source no longer holds {text!r}")
+PINS = Pins("_seam ")
+pinned, source_says = PINS.pinned, PINS.source_says
 
 
 def test_the_epoch_ends_early_only_where_the_modules_batch_start_hook_returns_minus_one() -> None:
@@ -103,13 +91,6 @@ def test_fsdp1_precision_still_refuses_norm_clipping() -> None:
     with pytest.raises(MisconfigurationException, match="gradient_clip_algorithm='norm'"):
         FSDPPrecision("32-true").clip_grad_by_norm(torch.optim.SGD([nn.Parameter(torch.ones(1))]), 1.0)
     source_says(CLIP, Precision.clip_gradients, "self.clip_grad_by_norm(", "Precision.clip_gradients")
-
-
-@pytest.fixture
-def one_process_group():
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 class _Sees(Callback):

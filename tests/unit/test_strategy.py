@@ -7,7 +7,6 @@ import inspect
 import pickle
 
 import pytest
-import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import StrategyRegistry
@@ -82,13 +81,6 @@ class _Recording(WeightedDDPStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         self.loaders.append(super().process_dataloader(dataloader))
         return self.loaders[-1]
-
-
-@pytest.fixture
-def one_process_group():
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def test_lightning_names_the_barrier_before_each_dataloader_and_the_patches_leave_with_the_fit(one_process_group):
