@@ -38,6 +38,7 @@ __all__ = [
     "fsdp1_options",
     "fsdp2_param_groups",
     "fsdp2_policies",
+    "fsdp2_shard_sizes",
     "fsdp_setup_helpers",
     "join_enabled",
     "metric_restore",
@@ -51,6 +52,9 @@ __all__ = [
     "set_backward_sync_control",
     "set_parallel_sizes",
     "set_sampler",
+    "train_batch_idx",
+    "train_progress",
+    "trainer_of",
     "unfloored",
 ]
 
@@ -114,9 +118,13 @@ def set_parallel_sizes(strategy: Any, data: int, tensor: int) -> None:
     strategy._data_parallel_size, strategy._tensor_parallel_size = data, tensor
 
 
-def fsdp1_options(strategy: Any) -> tuple[str, dict[str, Any]]:
-    """An ``FSDPStrategy``'s ``state_dict_type`` and activation-checkpointing keyword arguments, as it stores them."""
-    return strategy._state_dict_type, strategy._activation_checkpointing_kwargs
+def fsdp1_options(strategy: Any) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """A Lightning or Fabric ``FSDPStrategy``'s ``state_dict_type``, FSDP1 and activation-checkpointing arguments.
+
+    As each stores them: the Trainer's FSDP1 keyword arguments are ``kwargs``, Fabric's ``_fsdp_kwargs``.
+    """
+    kwargs = strategy._fsdp_kwargs if hasattr(strategy, "_fsdp_kwargs") else strategy.kwargs
+    return strategy._state_dict_type, kwargs, strategy._activation_checkpointing_kwargs
 
 
 # Lightning names the barrier it passes right before it processes a stage's dataloaders (`loops/fit_loop.py`,
@@ -166,6 +174,30 @@ def fetched_batch(trainer: Any) -> Any:
     return getattr(trainer.fit_loop._data_fetcher, "_batch", None)
 
 
+def train_batch_idx(trainer: Any) -> int:
+    """The ``batch_idx`` of the train batch in progress, as Lightning's epoch loop counts it.
+
+    The hooks' own ``batch_idx`` comes one fetch late where ``training_step`` takes ``dataloader_iter``; the epoch
+    loop's counts the batch in progress in both modes, and has no public view.
+    """
+    return int(trainer.fit_loop.epoch_loop.batch_idx)
+
+
+def train_progress(trainer: Any) -> tuple[int, bool]:
+    """How many batches of the train epoch in progress were processed, and whether the last one was.
+
+    A checkpoint resumes after the processed batches, in a new epoch where the last one was (Lightning's
+    ``batch_progress``, which has no public view).
+    """
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    return int(progress.current.processed), bool(progress.is_last_batch)
+
+
+def trainer_of(module: Any) -> Any:
+    """The module's ``Trainer``, or ``None`` outside a fit (``LightningModule.trainer`` raises there)."""
+    return getattr(module, "_trainer", None)
+
+
 def join_enabled(ddp: nn.Module) -> bool:
     """Whether ``DistributedDataParallel.join()`` is active on ``ddp`` (no public query for it)."""
     config = getattr(ddp, "_join_config", None)
@@ -206,6 +238,12 @@ def fsdp2_policies(group: Any) -> list[Any]:
     if TORCH < (2, 15):  # torch 2.9-2.14
         return [group.mp_policy]
     return [param.mp_policy for param in group.fsdp_params]  # torch 2.15 on
+
+
+def fsdp2_shard_sizes(group: Any) -> tuple[int, int]:
+    """How many ranks an FSDP2 parameter group shards and replicates over (its private ``mesh_info``)."""
+    mesh_info = group.mesh_info
+    return getattr(mesh_info, "shard_mesh_size", 1), getattr(mesh_info, "replicate_mesh_size", 1)
 
 
 def flat_parameters(module: nn.Module) -> list[Tensor]:
@@ -253,15 +291,18 @@ def _copied(value: Any) -> Any:
     return [item.clone() if isinstance(item, Tensor) else item for item in value]
 
 
-def set_sampler(loader: DataLoader[Any], sampler: Any) -> None:
+def set_sampler(loader: DataLoader[Any], sampler: Any, keep: bool = False) -> None:
     """Replaces the sampler of a built ``DataLoader``, whose ``__setattr__`` refuses it after ``__init__``.
 
     Lightning's own way (``_update_dataloader``) builds the loader anew, which loses what a subclass set up.
+    ``keep``: replace it only in the batch sampler (where ``loader.sampler`` is another one, as torchdata's
+    ``StatefulDataLoader`` holds it).
     """
     batches: Any = loader.batch_sampler
     if batches is not None:
         batches.sampler = sampler
-    object.__setattr__(loader, "sampler", sampler)
+    if not keep:
+        object.__setattr__(loader, "sampler", sampler)
 
 
 def rebuild_loader(loader: DataLoader[Any], sampler: Any) -> DataLoader[Any]:

@@ -2,26 +2,26 @@
 
 On an audited step, once every rank's gradient is synchronized and before the optimizer uses it, the audit
 
-1. re-runs ``training_step`` for each microbatch of the window on the unwrapped module (same RNG state,
-   buffers restored afterwards) and takes ``torch.autograd.grad`` of each microbatch mean, never touching
-   ``.grad``; this rank's gradient sum is ``S_r = Σ_m n_m · ḡ_m``;
-2. SUM-reduces ``[S_r, n_r]`` in float64, so every rank holds the intended gradient ``g* = Σ_r S_r / N``
-   (the objective is stated in :mod:`lightning_weighted.window`);
-3. compares ``g*`` with the gradient in ``.grad`` (the one the optimizer is about to use):
-   ``objective_error = max|g - g*| / max|g*|``;
-4. all-gathers per-rank checksums of parameters and gradients: ``replica_error`` is their largest relative
-   spread across ranks, 0 when the replicas agree.
+1. re-runs ``training_step`` for each microbatch of the window on the unwrapped module (same RNG state, buffers
+   restored afterwards, ``self.log`` ignored) and takes ``torch.autograd.grad`` of each microbatch's loss (of each
+   loss part), never touching ``.grad``: this rank's gradient sum of each part is ``S_kr = Σ_m n_krm · ḡ_krm``;
+2. sums the counts ``n_kr`` over the ranks (``N_k``), then ``Σ_k S_kr / N_k``, in float64, so every rank holds the
+   intended gradient ``g*`` (the objective is stated in :mod:`lightning_weighted.window`);
+3. compares ``g*`` with the gradient in ``.grad``: ``objective_error = max|g - g*| / max|g*|``;
+4. all-gathers per-rank checksums of parameters and gradients: ``replica_error`` is their largest relative spread
+   across ranks, 0 when the replicas agree.
 
 Nothing depends on the strategy that produced ``.grad``, so the audit measures plain ``"ddp"`` as well as
-``"ddp_weighted"``, and plain FSDP2 (``ModelParallelStrategy``) and FSDP1 as well as ``"fsdp2_weighted"`` and
-``"fsdp_weighted"``: there it differentiates the whole parameters each forward computes with and compares whole
-gradients (see :mod:`lightning_weighted._audit_rerun`). On the worked trace of :mod:`lightning_weighted.window` plain
+``"ddp_weighted"``, and plain FSDP2 and FSDP1 as well as the weighted ones: there it differentiates the whole
+parameters each forward computes with and compares whole gradients (:class:`Targets`). On the worked trace plain
 DDP's gradient is 2.0 where ``g* = 2.5``: an objective error of 0.2.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -30,22 +30,19 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch import Tensor
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_weighted._audit_rerun import Microbatch, Targets, flat, is_audit_rerun, local_sum
-from lightning_weighted.counts import TRAINER, imbalance
-from lightning_weighted.loop import LoopResults
+from lightning_weighted._compat import forward_redirection
+from lightning_weighted.loop import Output, WeightedStrategy, read_output
+from lightning_weighted.trainer._seam import logs_ignored
+from lightning_weighted.trainer._strategy import WeightedTrainerStrategy
+from lightning_weighted.window import TRAINER, Count, imbalance
 
-__all__ = [
-    "AuditReport",
-    "ObjectiveAudit",
-    "ObjectiveMismatchError",
-    "is_audit_rerun",
-    "relative_error",
-    "spread",
-]
+__all__ = ["AuditReport", "ObjectiveAudit", "ObjectiveMismatchError", "is_audit_rerun", "relative_error", "spread"]
 
 _FIX = (
     "Train with a weighted strategy (`strategy='ddp_weighted'`, 'fsdp2_weighted' or 'fsdp_weighted' under FSDP,"
@@ -193,14 +190,10 @@ class ObjectiveAudit(Callback):
         rng = [torch.get_rng_state()]
         if pl_module.device.type == "cuda":
             rng.append(torch.cuda.get_rng_state(pl_module.device))
-        self._window.append(Microbatch(batch, batch_idx, rng))
-
-    @override
-    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Tensor) -> None:
-        # `padding_step` is set after the callbacks' `on_train_batch_start`; here it describes this microbatch.
-        if self._window:
-            strategy = trainer.strategy
-            self._window[-1].padding = isinstance(strategy, LoopResults) and strategy.padding_step
+        strategy = trainer.strategy
+        self._window.append(
+            Microbatch(batch, batch_idx, rng, isinstance(strategy, WeightedStrategy) and strategy.padding_step)
+        )
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
@@ -232,9 +225,9 @@ class ObjectiveAudit(Callback):
         targets = Targets(pl_module, strategy.model if isinstance(strategy, FSDPStrategy) else None)
         params = [param for param in targets.values() if param is not None]
         device = pl_module.device
-        gradient_sum, items, invalid = local_sum(trainer, pl_module, targets, params, window, sharded)
-        # One SUM gives every rank Σ_r S_r, N and the number of ranks with an invalid count.
-        totals = torch.cat([gradient_sum, torch.tensor([items, invalid], dtype=torch.float64, device=device)])
+        sums, items, invalid = local_sums(trainer, pl_module, targets, params, window, sharded)
+        # One SUM of the counts gives every rank N_k (and the ranks with an invalid count), one more Σ_k S_k / N_k.
+        totals = torch.tensor([*items, invalid], dtype=torch.float64, device=device)
         distributed = dist.is_available() and dist.is_initialized()
         if distributed:
             dist.all_reduce(totals)
@@ -243,15 +236,19 @@ class ObjectiveAudit(Callback):
                 f"training_step returned an invalid count on {int(totals[-1])} rank(s) in the window audited at"
                 f" step {trainer.global_step}. {_FIX}: a finite int, float or 0-dim tensor >= 0."
             )
-        total_items = float(totals[-2])
-        expected = totals[:-2] / total_items if total_items > 0 else torch.zeros_like(gradient_sum)
+        expected = torch.zeros_like(sums[0])
+        for part, total in zip(sums, totals[:-1].tolist(), strict=True):
+            if total > 0:
+                expected += part / total
+        if distributed:
+            dist.all_reduce(expected)
         actual = flat(targets.values(gradients=True), params)
         error = relative_error(actual, expected)
         param_sum = sum(float(param.double().sum()) for param in params)
         param_squares = sum(float(param.double().square().sum()) for param in params)
         checksums = [param_sum, param_squares, actual.sum(), actual.square().sum()]
         local = torch.tensor(
-            [items, *checksums, error, actual.norm(), expected.norm()],
+            [sum(items), *checksums, error, actual.norm(), expected.norm()],
             dtype=torch.float64,
             device=device,
         )
@@ -289,3 +286,198 @@ def _mismatch_message(report: AuditReport, rtol: float) -> str:
             + (f" {_FIX}." if replicas_agree else " Make the replicas agree first.")
         )
     return " ".join(parts)
+
+
+_rerunning = False  # True while an audit re-runs `training_step`
+
+
+def is_audit_rerun() -> bool:
+    """Whether ``training_step`` is being re-run by an :class:`~lightning_weighted.ObjectiveAudit`, not trained on.
+
+    The audit runs ``training_step`` a second time on audited microbatches. ``self.log`` calls are ignored
+    during the re-run; guard any other side effect (a counter, a ``torchmetrics`` update) with this.
+
+    Example::
+
+        >>> is_audit_rerun()
+        False
+    """
+    return _rerunning
+
+
+@dataclass
+class Microbatch:
+    """One cached microbatch of an audited window."""
+
+    batch: Any
+    batch_idx: int
+    rng: list[Tensor]  # the CPU state, then the device's when it is CUDA
+    padding: bool = False  # an exhausted rank's replay of a batch under a weighted strategy: count 0
+
+
+def local_sums(
+    trainer: Trainer,
+    pl_module: LightningModule,
+    targets: Targets,
+    params: list[Tensor],
+    window: list[Microbatch],
+    sharded: bool,
+) -> tuple[list[Tensor], list[float], float]:
+    """Re-runs the window's microbatches; returns each part's ``Σ_m n_m · ḡ_m``, its ``Σ_m n_m``, and 1.0 if invalid.
+
+    ``params`` are the whole parameters (shapes of the gradient). Under FSDP every microbatch's backward runs, also
+    one that counts nothing, since its all-gathers are collectives every rank takes part in.
+    """
+    strategy = trainer.strategy
+    names = (
+        strategy.item_counter.names if isinstance(strategy, WeightedTrainerStrategy) and strategy.item_counter else ()
+    )
+    size = sum(param.numel() for param in params)
+    sums = [torch.zeros(size, dtype=torch.float64, device=pl_module.device) for _ in names or ("",)]
+    items, invalid = [0.0] * len(sums), 0.0
+    takes_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
+    buffers = [(buffer, buffer.detach().clone()) for buffer in pl_module.buffers()]
+    cuda = [pl_module.device] if pl_module.device.type == "cuda" else []
+    with _rerun_step(pl_module), torch.enable_grad():
+        for microbatch in window:
+            with torch.random.fork_rng(devices=cuda), targets.used() as used:
+                torch.set_rng_state(microbatch.rng[0])
+                if cuda:
+                    torch.cuda.set_rng_state(microbatch.rng[1], cuda[0])
+                with trainer.strategy.precision_plugin.train_step_context():
+                    args = (microbatch.batch, microbatch.batch_idx) if takes_index else (microbatch.batch,)
+                    step = read_output(_training_step(trainer, pl_module, args))
+            losses = [step.parts.get(name) if step.parts else None for name in names] if names else [step.loss]
+            if any(loss is None or loss.grad_fn is None for loss in losses):
+                continue  # Lightning skips a `None` step; a loss without a graph fails its own backward
+            counted = [_on_host(count) for count in _counts(trainer, step, microbatch.batch)]
+            bad = step.problem is not None or any(count.problem is not None for count in counted)
+            invalid = 1.0 if bad else invalid
+            for k, (loss, count) in enumerate(zip(losses, counted, strict=True)):
+                skipped = bad or count.value == 0 or microbatch.padding  # exactly zero, also for a NaN mean
+                if skipped and not sharded:
+                    continue
+                assert loss is not None
+                grads = torch.autograd.grad(loss.sum(), used, allow_unused=True, retain_graph=k < len(losses) - 1)
+                if not skipped:
+                    weight = float(count.value)
+                    sums[k].add_(flat(grads, params), alpha=1.0 if step.item_sum else weight)
+                    items[k] += weight
+    with torch.no_grad():
+        for buffer, saved in buffers:
+            buffer.copy_(saved)
+    return sums, items, invalid
+
+
+def _counts(trainer: Trainer, step: Output, batch: Any) -> list[Count]:
+    """The training count rule of the strategy (a plain one: a returned count, else the batch size)."""
+    strategy = trainer.strategy
+    if isinstance(strategy, WeightedTrainerStrategy):
+        return strategy.counts_of(step, batch)
+    return [step.count if step.count is not None else Count(float(extract_batch_size(batch)))]
+
+
+def _training_step(trainer: Trainer, pl_module: LightningModule, args: tuple[Any, ...]) -> Any:
+    """``training_step`` through the model's wrapper where it is FSDP1's root, as Lightning calls it."""
+    model = trainer.strategy.model
+    if isinstance(trainer.strategy, FSDPStrategy) and model is not None and model is not pl_module:
+        return forward_redirection(trainer.strategy, model, pl_module, "training_step", *args)
+    return pl_module.training_step(*args)
+
+
+def _on_host(count: Count) -> Count:
+    """``count`` with its value and problem read on the host (the audit reads what training never does)."""
+    problem = count.problem
+    if isinstance(problem, Tensor):
+        problem = None if float(problem) == 0 else problem
+    value = float(count.value) if isinstance(count.value, Tensor) else count.value
+    return Count(value, None if problem is None else problem, count.implicit)
+
+
+def flat(tensors: Sequence[Tensor | None], like: Sequence[Tensor]) -> Tensor:
+    """Concatenates ``tensors`` as float64 on ``like``'s device; a missing tensor reads as zeros shaped as ``like``."""
+    return torch.cat(
+        [
+            (tensor.detach() if tensor is not None else torch.zeros_like(reference)).reshape(-1).double()
+            for tensor, reference in zip(tensors, like, strict=True)
+        ]
+    )
+
+
+@contextlib.contextmanager
+def _rerun_step(pl_module: LightningModule) -> Iterator[None]:
+    """Marks the re-run for :func:`is_audit_rerun`; its ``self.log`` calls do nothing (no double logging)."""
+    global _rerunning
+
+    with logs_ignored(pl_module):
+        _rerunning = True
+        try:
+            yield
+        finally:
+            _rerunning = False
+
+
+class Targets:
+    """The trainable parameters of ``module``, each read whole, and as the tensor a forward uses.
+
+    Args:
+        module: the ``LightningModule`` (its submodules may be FSDP2 modules or FSDP1 units).
+        root: the FSDP1 root that wraps ``module``, or ``None``; the whole values of its units are read inside
+            ``summon_full_params``.
+    """
+
+    def __init__(self, module: nn.Module, root: nn.Module | None = None) -> None:
+        self.root = root
+        self.owners: list[tuple[nn.Module, str]] = []
+        seen: set[int] = set()
+        for owner in module.modules():
+            for name, param in owner.named_parameters(recurse=False):
+                if param.requires_grad and id(param) not in seen:
+                    seen.add(id(param))
+                    self.owners.append((owner, name))
+
+    @contextlib.contextmanager
+    def used(self) -> Iterator[list[Tensor]]:
+        """For the forward run inside the block: the tensor each parameter's module computed with.
+
+        Under FSDP that is the whole (unsharded) parameter, differentiable where the shard outside a forward is not;
+        a parameter whose module did not run (or that is used outside its module's forward) is itself.
+        """
+        tensors: list[Tensor] = [getattr(owner, name) for owner, name in self.owners]
+        slots: dict[nn.Module, list[tuple[int, str]]] = {}
+        for index, (owner, name) in enumerate(self.owners):
+            slots.setdefault(owner, []).append((index, name))
+
+        def record(owner: nn.Module, args: Any) -> None:
+            for index, name in slots[owner]:
+                tensors[index] = getattr(owner, name)
+
+        hooks = [owner.register_forward_pre_hook(record) for owner in slots]
+        try:
+            yield tensors
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def values(self, gradients: bool = False) -> list[Tensor | None]:
+        """Every parameter (or its gradient, ``None`` where there is none) whole, the same on every rank.
+
+        A collective under FSDP: every rank calls it at the same point.
+        """
+        with self._summoned(gradients):
+            values = [getattr(owner, name) for owner, name in self.owners]
+            if gradients:
+                values = [value.grad for value in values]
+            return [None if value is None else _whole(value.detach()) for value in values]
+
+    def _summoned(self, gradients: bool) -> contextlib.AbstractContextManager[Any]:
+        if self.root is None:
+            return contextlib.nullcontext()
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel.summon_full_params(self.root, writeback=False, with_grads=gradients)
+
+
+def _whole(tensor: Tensor) -> Tensor:
+    full_tensor = getattr(tensor, "full_tensor", None)  # a DTensor: all-gathered over its mesh
+    return full_tensor() if full_tensor is not None else tensor.clone()

@@ -1,98 +1,139 @@
-r"""The loop of windows of one fit or one Fabric loop: a microbatch in, its loss factor out, one exchange per window.
+"""The loop of windows of one fit or one Fabric loop: a microbatch in, its loss to backpropagate out, one exchange.
 
-The Trainer and Fabric integrations drive one :class:`WindowLoop` each, and hold no window rule of their own:
-
-1. :meth:`WindowLoop.add` records a
-   microbatch's loss and count in the window (:mod:`lightning_weighted.window`) and keeps its loss factor;
-2. :meth:`WindowLoop.backward_loss` is the loss to backpropagate: times the factor, or the engine's exact zero;
-   before the backward that ends the window it starts the window's one :class:`Exchange`: an asynchronous float64
-   SUM of every rank's payload (:class:`~lightning_weighted.window.Slot`) over the data-parallel ranks, which
-   overlaps that backward;
-3. :class:`Batch` is what the front end's hooks note of the batch in progress (a replay, the window's last);
-4. :meth:`WindowLoop.finish`, after it, waits for the SUM; where the counts came after the forwards it multiplies
-   the reduced gradients by :math:`D c / N` on the device (one fused pass), then reads the SUM on the host, the
-   step's one read of a device value, and decides, the same on every rank: the error, or the step, or no step at
-   all where :math:`N = 0` (every gradient dropped, so no optimizer changes a parameter or its state).
-
-Counts ahead (:mod:`lightning_weighted.ahead`): each window's counts are known before its first forward, so every
-factor is :math:`D n / N` and nothing is multiplied afterwards; the exchange carries the next window's counts, whose
-:math:`N` reaches the host with the read.
+The front ends (``trainer/``, ``fabric/``) hand it each microbatch's facts as arguments and keep no window rule of
+their own: :meth:`WindowLoop.plan` (counts ahead), :meth:`WindowLoop.add` (a microbatch's :class:`Output`, whether it
+is a replay), :meth:`WindowLoop.backward_loss`, :meth:`WindowLoop.end` (before the backward that ends the window: one
+asynchronous float64 SUM of every part's payload over the data-parallel ranks, overlapping that backward) and
+:meth:`WindowLoop.finish` (after it: where counts came after the forwards, the reduced gradients times :math:`D c/N`
+in one fused pass; then the step's one host read, and the decision every rank takes alike: the error, the step, or no
+step where :math:`N = 0`). The objective is stated in :mod:`lightning_weighted.window`.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_weighted._compat import multiply
-from lightning_weighted.ahead import Planner, summed
-from lightning_weighted.counts import Count, Problem, Wording, agreed
-from lightning_weighted.data import Participation
 from lightning_weighted.engines import Engine
-from lightning_weighted.window import SUMMED, Window, WindowResult
+from lightning_weighted.window import (
+    SUMMED,
+    Count,
+    Problem,
+    Slot,
+    Summed,
+    Window,
+    WindowResult,
+    Wording,
+    problem_error,
+    read_count,
+)
 
-__all__ = ["Batch", "Exchange", "LoopResults", "Reference", "WindowLoop", "weighted"]
+__all__ = ["Exchange", "Output", "WeightedStrategy", "WindowLoop", "read_output", "summed_counts", "terms", "weighted"]
 
 
-@dataclass
-class Batch:
-    """The batch in progress, as the front end's hooks note it: one new object per batch, read by the others.
+@dataclass(frozen=True)
+class Output:
+    """What one microbatch handed over: its loss (or named parts), its count, and how to read them.
 
     Attributes:
-        index: its ``batch_idx`` in the epoch of its loader.
-        replay: it replays a batch of a rank whose data ran out: it counts 0, and its logs and metrics leave no trace.
-        replays: its loader replays on some rank: values logged across ranks weigh each rank by whether its batch
-            was real.
-        loader: an evaluation batch's ``dataloader_idx``.
-        ends_window: its backward ends the window (the Trainer runs that batch inside ``optimizer_step``).
-        dropped: the epoch ends before it trains (``on_train_batch_start`` returned -1).
-        skipped: the window it ended had no item (``N = 0``): step-interval LR schedulers do not step after it.
+        loss: the loss: the mean over the microbatch's valid items (their sum with ``item_sum``).
+        count: the count given with it (read once), or ``None``.
+        item_sum: ``loss`` (each part) is a sum over the items rather than their mean.
+        parts: named parts, each the mean (or sum) over its own items; ``loss`` is then what plain DDP trains.
+        aux: named auxiliary terms, averaged over the window's microbatches and ranks as plain DDP averages.
+        problem: what is wrong with the output itself (a bad ``reduction``, ``aux`` or ``parts``).
     """
 
-    index: int = 0
-    replay: bool = False
-    replays: bool = False
-    loader: int = 0
-    ends_window: bool = False
-    dropped: bool = False
-    skipped: bool = False
+    loss: Tensor | None
+    count: Count | None = None
+    item_sum: bool = False
+    parts: Mapping[str, Tensor] | None = None
+    aux: Mapping[str, Tensor] | None = None
+    problem: Problem | None = None
+
+
+def read_output(output: object) -> Output:
+    """What ``training_step`` (or ``validation_step``) returned: a loss, or a dict with ``"loss"`` and its keys.
+
+    ``"count"`` (read once), ``"reduction"`` (``"mean"`` or ``"sum"``), ``"parts"`` and ``"aux"`` (dicts of
+    one-element tensors).
+
+    Example::
+
+        >>> read_output({"loss": torch.tensor(6.0), "count": 3, "reduction": "sum"}).count
+        Count(value=3.0, problem=None, implicit=False)
+    """
+    if not isinstance(output, Mapping):
+        return Output(output if isinstance(output, Tensor) else None)
+    loss = output.get("loss")
+    reduction = output.get("reduction", "mean")
+    (parts, bad_parts), (aux, bad_aux) = terms(output.get("parts")), terms(output.get("aux"))
+    problem = None
+    if reduction not in ("mean", "sum"):
+        problem = Problem.REDUCTION
+    elif bad_aux or bad_parts:
+        problem = Problem.AUX if bad_aux else Problem.PARTS
+    count = read_count(output["count"]) if "count" in output else None
+    return Output(loss if isinstance(loss, Tensor) else None, count, reduction == "sum", parts, aux, problem)
+
+
+def terms(given: object) -> tuple[dict[str, Tensor] | None, bool]:
+    """Named one-element tensors (``"parts"``, ``"aux"``), and whether ``given`` is something else."""
+    if given is None:
+        return None, False
+    if not isinstance(given, Mapping) or not all(isinstance(t, Tensor) and t.numel() == 1 for t in given.values()):
+        return None, True
+    return {str(name): term.reshape(()) for name, term in given.items()}, False
 
 
 class Exchange:
-    """A window's payload summed over ``group``, started at once without waiting; read on the host once.
+    """Every part's payload summed over ``group``, started at once without waiting; read on the host once.
 
-    Where a rank found a problem, every rank learns which in one more collective (:meth:`Window.finish`): a healthy
-    window costs the SUM alone.
+    Where a rank found a problem, every rank learns which in one more collective: a healthy window costs the SUM.
     """
 
     def __init__(
-        self, window: Window, more: bool, device: torch.device, group: dist.ProcessGroup | None, following: float = 0.0
+        self,
+        windows: Sequence[Window],
+        more: bool,
+        device: torch.device,
+        group: dist.ProcessGroup | None,
+        next_items: Sequence[float] = (),
     ) -> None:
-        self.window, self.group = window, group
-        self.vector = window.payload(more, device, following)
-        self.work = dist.all_reduce(self.vector[:SUMMED], group=group, async_op=True)
+        self.windows, self.group = windows, group
+        payloads = [w.payload(more, device, next_items[k] if next_items else 0.0) for k, w in enumerate(windows)]
+        # summed fields of every part first, then each part's LOCAL: one SUM over a prefix
+        self.vector = torch.cat([p[:SUMMED] for p in payloads] + [p[SUMMED:] for p in payloads])
+        self.work = dist.all_reduce(self.vector[: SUMMED * len(windows)], group=group, async_op=True)
 
     def items(self) -> Tensor:
-        """``N``, on the device (the device's stream waits for the SUM, not the host)."""
+        """Each part's ``N``, on the device (the device's stream waits for the SUM, not the host)."""
         self.work.wait()
-        return Window.items_of(self.vector)
+        return self.vector[Slot.ITEMS : SUMMED * len(self.windows) : SUMMED]
 
-    def result(self, step: int, wording: Wording, ranks: int) -> WindowResult:
-        """The window's result from the summed payload, the one host read; raises its error on every rank alike."""
+    def read(self, wording: Wording) -> list[Summed]:
+        """Each part's summed payload, the one host read; raises the window's error on every rank alike."""
         self.items()
-        return self.window.finish(self.vector.tolist(), step, wording, ranks, rows=self._rows)
+        values, parts = self.vector.tolist(), len(self.windows)
+        summed = [Summed([*values[k * SUMMED : (k + 1) * SUMMED], values[parts * SUMMED + k]]) for k in range(parts)]
+        if any(s[Slot.INVALID] > 0 for s in summed):
+            raise problem_error(self._rows(), wording)
+        return summed
 
-    def _rows(self) -> Sequence[Sequence[float]]:
-        row = self.window.problem_row(self.vector.device)
-        rows = [torch.empty_like(row) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(rows, row, group=self.group)
-        return [gathered.tolist() for gathered in rows]
+    def _rows(self) -> list[list[float]]:
+        rows = [w.problem_row(self.vector.device) for w in self.windows]
+        row = next((r for r in rows if float(r[0]) > 0), rows[0])
+        if not dist.is_initialized():
+            return [row.tolist()]
+        gathered = [torch.empty_like(row) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(gathered, row, group=self.group)
+        return [g.tolist() for g in gathered]
 
 
 class WindowLoop:
@@ -102,206 +143,222 @@ class WindowLoop:
         engine: how the engine's reduction meets the counts (:mod:`lightning_weighted.engines`).
         device: where the gradients live.
         wording: how errors name the call that handed over the loss and its count.
-        name: the strategy's name, for messages.
+        parts: the names of the loss parts, each counted ahead into a window of its own; ``()``: one loss.
 
     Attributes:
-        batch: the batch in progress (:class:`Batch`).
-        participation: the train loader's epoch, where ranks may run out of data (``None``: every rank has data).
-        planner: counts ahead, where the Trainer's batches are counted before their forward.
         last_window: the result of the last window.
         skipped_steps: how many windows had no item (``N = 0``) and changed nothing.
-        factor, aux: the microbatch in progress's loss factor and weighted auxiliary terms (``None``: none).
+        ranks_with_more: from the last window's exchange, how many ranks hold real batches after it.
+        next_totals: counted ahead, the next window's ``N`` of each part, from the last window's exchange.
     """
 
-    def __init__(self, engine: Engine, device: torch.device, wording: Wording, name: str) -> None:
-        self.engine, self.device, self.wording, self.name = engine, device, wording, name
+    def __init__(self, engine: Engine, device: torch.device, wording: Wording, parts: Sequence[str] = ()) -> None:
+        self.engine, self.device, self.wording, self.parts = engine, device, wording, tuple(parts)
         self.ranks = dist.get_world_size(engine.group)
-        self.batch = Batch()
-        self.participation: Participation | None = None
-        self.planner: Planner | None = None
         self.last_window: WindowResult | None = None
-        self.skipped_steps = 0
-        self.factor: float | Tensor = 0.0
-        self.aux: Tensor | None = None
-        self._window: Window | None = None
-        self._planned: deque[Count] = deque()  # the window's counts, handed over ahead (`plan`), in order
+        self.skipped_steps = self.ranks_with_more = 0
+        self.next_totals: list[float] = []
+        self._windows: list[Window] = []
+        self._planned: list[deque[Count]] = []  # each part's planned counts, taken in order by `add`
         self._exchange: Exchange | None = None
         self._backward = False  # the window ran a backward
-        self._reference = Reference(engine.mean_sized)
-
-    @property
-    def counts_ahead(self) -> bool:
-        """Whether each window's counts are taken before its first forward (the Trainer's, with a planner)."""
-        return self.planner is not None
+        self._factor: float | Tensor = 0.0  # the microbatch in progress's, for its one loss
+        self._graph: Tensor | None = None  # with parts: what to backpropagate (weighted, or their sum to empty)
+        self._aux: Tensor | None = None
+        self._typical = TypicalCount(engine.mean_sized)
 
     @property
     def open(self) -> bool:
         """Whether a window has microbatches that no exchange has ended yet."""
-        return self._window is not None
+        return bool(self._windows)
 
-    def begin_batch(self, index: int, replays: bool = False) -> None:
-        """Takes the train loader's batch ``index``: whether it is a replay; counted ahead, the window it opens.
+    def plan(
+        self, counts: Sequence[Sequence[Count]], totals: Sequence[float | Tensor] | None = None
+    ) -> Sequence[float | Tensor]:
+        """Counts the next window ahead: each part's counts of its microbatches, which :meth:`add` takes in order.
+
+        Every loss of the window is then scaled by :math:`D n / N` before its backward. ``totals``: each part's
+        :math:`N` where an earlier exchange brought it; else one SUM now, left on the device. Returns the totals.
+        """
+        if self._windows:
+            raise RuntimeError("a window's counts were handed over while a window is open: once per window, first")
+        if totals is None:
+            totals = list(summed_counts(counts, self.device, self.engine.group))
+        microbatches = self.ranks * max((len(c) for c in counts), default=0)
+        self._windows = [Window(total=t, divisor=self.engine.divisor, microbatches=microbatches) for t in totals]
+        self._planned = [deque(c) for c in counts]
+        return totals
+
+    def add(self, output: Output, replay: bool = False, recount: Sequence[Count] = ()) -> None:
+        """Records one microbatch: its loss factor, or its problem, in the window.
 
         Args:
-            index: its ``batch_idx`` in the epoch.
-            replays: whether the train loader replays on some rank.
+            output: what the microbatch handed over.
+            replay: it replays a batch of a rank whose data ran out: it contributes nothing.
+            recount: counted ahead, each part's count of the batch the step received, which must agree with the
+                plan (a transfer hook may have changed it).
         """
-        replay = self.participation is not None and self.participation.begin_batch(index)
-        self.batch = Batch(index, replay, replays)
-        if self.planner is not None and self._window is None:
-            self.plan(*self.planner.window(index))
-
-    def plan(self, counts: list[Count], total: float | Tensor | None = None) -> None:
-        """Counts the next window ahead from its microbatches' counts; :meth:`add` takes them in order.
-
-        Every loss of the window is then scaled by :math:`D n / N` before its backward. ``total`` is the window's
-        :math:`N` where an earlier exchange brought it; else one SUM now, left on the device.
-        """
-        if self._window is not None:
-            raise RuntimeError("a window's counts were handed over while a window is open: once per window, first")
-        total = summed(counts, self.device, self.engine.group) if total is None else total
-        self._window = Window(total=total, divisor=self.engine.divisor, shares=self.ranks * len(counts))
-        self._planned = deque(counts)
-
-    def add(
-        self,
-        loss: Tensor | None,
-        count: Count | None,
-        item_sum: bool,
-        problem: Problem | None = None,
-        aux: dict[str, Tensor] | None = None,
-    ) -> None:
-        """Records one microbatch's loss, count and auxiliary terms: sets :attr:`factor` and :attr:`aux`.
-
-        Counted ahead, the planned count stands and a ``count`` given here must agree with it.
-        """
-        replay = self.batch.replay
-        self._reference.take(None if replay else count, self.device, self.engine.group)
-        window = self.window()
-        planned = self._planned.popleft() if self._planned else None
-        self.factor, self.aux = 0.0, None
+        windows = self._open(None if replay else output.count)
+        self._typical.microbatches += 1
+        planned = [p.popleft() for p in self._planned] if self._planned and self._planned[0] else None
+        self._factor, self._graph, self._aux = 0.0, None, None
+        losses = self._losses(output)
         if replay:
-            return  # a replay of an exhausted rank contributes nothing
-        if planned is not None:
-            count = planned if count is None else agreed(count.value, planned)
-        if problem is None:
-            problem = Problem.NO_LOSS if loss is None else Problem.NO_GRAPH if loss.grad_fn is None else None
-        if problem is not None or count is None:
-            window.reject(problem or Problem.MISSING)
+            for window, loss in zip(windows, losses, strict=False):
+                if loss is not None and loss.grad_fn is not None:
+                    window.empty(loss)
+            self._graph = _total(losses) if self.parts else None
             return
-        self.factor = window.add(count, loss, item_sum)
-        if aux:
-            share = window.aux_factor()
+        problem = self._problem(output, losses, planned is not None)
+        counts = planned or ([output.count] if output.count is not None else [])
+        if planned is not None and problem is None:  # a count given beside the plan, or counted again, must agree
+            if output.count is not None:
+                windows[0].check(output.count, planned[0])
+            for window, again, count in zip(windows, recount, planned, strict=False):
+                window.check(again, count, Problem.CHANGED)
+        if problem is None and len(counts) < len(windows):
+            problem = Problem.MISSING
+        if problem is not None:
+            windows[0].reject(problem)
+            return
+        factors = [w.add(c, x, output.item_sum) for w, c, x in zip(windows, counts, losses, strict=True)]
+        for window, factor, loss in zip(windows, factors, losses, strict=True):
+            if isinstance(factor, float) and factor == 0 and loss is not None:
+                window.empty(loss)
+        if self.parts:  # a part counted 0 adds `0 · loss`: its graph runs, its NaN is caught by NAN_EMPTY
+            nothing = all(isinstance(f, float) and f == 0 for f in factors)
+            weighted = [x * f for x, f in zip(losses, factors, strict=True) if x is not None]
+            self._graph = _total(losses) if nothing else _total(weighted)
+            self._factor = 0.0 if nothing else 1.0
+        else:
+            self._factor = factors[0]
+        if output.aux:
+            share = windows[0].aux_factor()
             if share is None:
-                window.reject(Problem.AUX_AFTER)
+                windows[0].reject(Problem.AUX_AFTER)
             else:
-                self.aux = torch.stack([term.reshape(()) for term in aux.values()]).sum() * share
+                self._aux = torch.stack(list(output.aux.values())).sum() * share
+
+    def _losses(self, output: Output) -> list[Tensor | None]:
+        if not self.parts:
+            return [output.loss]
+        given = output.parts or {}
+        return [given.get(name) for name in self.parts]
+
+    def _problem(self, output: Output, losses: list[Tensor | None], ahead: bool) -> Problem | None:
+        if output.problem is not None:
+            return output.problem
+        if (output.parts is not None or self.parts) and not ahead:
+            return Problem.PARTS_AFTER
+        names = set(output.parts) if output.parts is not None else None
+        if (names is not None or self.parts) and (names != set(self.parts) or output.count is not None):
+            return Problem.PARTS
+        if any(loss is None for loss in losses):
+            return Problem.NO_LOSS
+        if any(loss is not None and loss.grad_fn is None for loss in losses):
+            return Problem.NO_GRAPH
+        return None
+
+    def _open(self, count: Count | None) -> list[Window]:
+        """The window in progress (new ones, counted after, where none is)."""
+        if not self._windows:
+            self._typical.take(count, self.device, self.engine.group)
+            self._windows = [Window(self._typical.value) for _ in self.parts or ("",)]
+        return self._windows
 
     def drop(self) -> None:
-        """Forgets the window in progress: Lightning ends the epoch before the next batch and drops its gradient.
+        """Forgets the window in progress, whose gradient Lightning drops as it ends the epoch before the next batch.
 
-        ``on_train_batch_start`` returned -1: Lightning steps no optimizer for a half window, and the next epoch's
-        first batch zeroes its gradient, so its counts must not reach the next window either. No exchange has
-        started (it starts at a window's last backward). Counted ahead, the next epoch's first window is planned
+        No exchange has started (it starts at a window's last backward); counted ahead, the next window is planned
         anew.
         """
         assert self._exchange is None
-        self._window, self._planned, self._backward = None, deque(), False
-        self.batch = Batch(dropped=True)
-        self._reference.microbatches = 0
+        self._windows, self._planned, self._backward = [], [], False
+        self._typical.microbatches = 0
 
-    def window(self) -> Window:
-        """The window in progress (a new one, counted after, where none is)."""
-        if self._window is None:
-            self._window = Window(self._reference.value)
-        return self._window
+    def backward_loss(self, loss: Tensor | None, multiplier: float = 1.0) -> Tensor:
+        """The loss to backpropagate for the microbatch :meth:`add` took.
 
-    def backward_loss(self, loss: Tensor, multiplier: float = 1.0, ends: bool | None = None) -> Tensor:
-        """The loss to backpropagate for the microbatch :meth:`add` took; the exchange starts first at a window's end.
-
-        ``ends``: whether this backward ends the window, by default the batch's :attr:`Batch.ends_window`.
-
-        The loss is ``loss · factor · multiplier``, plus the microbatch's weighted auxiliary terms. A factor 0 (a
-        count of 0 on the host, a replay) gives the engine's ``0 · loss``, whose backward runs through the
-        microbatch's own graph and adds nothing of its own (:meth:`Engine.empty`).
+        ``loss · factor · multiplier`` (with parts, each part times its own factor instead), plus the weighted
+        auxiliary terms. A microbatch that contributes nothing on the host (a count of 0, a replay) gives the
+        engine's ``0 · loss``, whose backward runs through its own graph and adds nothing (:meth:`Engine.empty`).
         """
-        factor = self.factor
+        factor, self._backward = self._factor, True
+        graph = self._graph if self.parts else loss
         if isinstance(factor, Tensor):  # a count on the device: never compared on the host
-            scaled = loss * (factor if multiplier == 1 else factor * multiplier)
-        elif factor == 0 and loss.grad_fn is None:
-            scaled = self.refused(loss)
-        elif factor == 0:  # its backward runs through its own graph, adding nothing of its own
-            self.window().empty(loss)
-            scaled = self.engine.empty(loss)
+            assert graph is not None
+            scaled = graph * (factor if multiplier == 1 else factor * multiplier)
+        elif factor == 0 and (graph is None or graph.grad_fn is None):
+            scaled = self.refused(graph)
+        elif factor == 0:
+            scaled = self.engine.empty(graph)
+        elif self.parts:
+            assert graph is not None
+            scaled = graph
         else:
-            scaled = loss if factor * multiplier == 1 else loss * (factor * multiplier)
-        self._backward = True
-        if self.batch.ends_window if ends is None else ends:
-            self.end()
-        return scaled if self.aux is None else scaled + self.aux
+            assert graph is not None
+            scaled = graph if factor * multiplier == 1 else graph * (factor * multiplier)
+        return scaled if self._aux is None else scaled + self._aux
 
     def refused(self, loss: Tensor | None) -> Tensor:
         """A zero loss for a microbatch that cannot be weighted; raises where the engine needs the model's graph."""
         if self.engine.needs_graph:
-            raise RuntimeError(_NEEDS_GRAPH.format(dist.get_rank(), self.wording.source, _what(loss), self.name))
+            what = "None" if loss is None else "a loss that is not attached to the graph"
+            raise RuntimeError(_NEEDS_GRAPH.format(dist.get_rank(), self.wording.source, what, self.wording.strategy))
         return self.engine.empty(loss)
 
-    def end(self) -> None:
-        """Starts the window's exchange; runs right before the backward that ends the window (once per window)."""
-        if self._exchange is None:
-            more = self.participation is None or self.participation.has_more()
-            following = self.planner.following(self.batch.index + 1) if self.planner is not None else 0.0
-            self._exchange = Exchange(self.window(), more, self.device, self.engine.group, following)
+    def end(self, more: bool, next_items: Sequence[float] = ()) -> None:
+        """Starts the window's exchange, right before the backward that ends the window (once per window).
 
-    def finish(self, step: int) -> WindowResult:
+        Args:
+            more: whether this rank holds real batches after the window.
+            next_items: counted ahead, this rank's items in each part's next window.
+        """
+        if self._exchange is None:
+            self._exchange = Exchange(self._open(None), more, self.device, self.engine.group, next_items)
+
+    def finish(self, step: int, more: bool = True, next_items: Sequence[float] = ()) -> WindowResult:
         """Ends the window after its last backward: brings ``N`` to the gradients and decides, on every rank alike.
 
         A window that ran no backward (a step that only recomputes statistics) leaves its gradients as they are.
-
-        Args:
-            step: the optimizer step the window ends at.
-
-        Returns:
-            The window's result; ``items == 0`` means the step must change nothing.
+        ``more`` and ``next_items`` as for :meth:`end`, where the window ran no backward to start its exchange.
         """
-        self.end()
-        window, self._window, self._planned = self.window(), None, deque()
-        exchange, self._exchange = self._exchange, None
-        backward, self._backward = self._backward, False
+        self.end(more, next_items)
+        windows, exchange, backward = self._windows, self._exchange, self._backward
+        self._windows, self._planned, self._exchange, self._backward = [], [], None, False
         assert exchange is not None
-        if backward and not window.ahead:
-            items = exchange.items()
-            scale = torch.where(items > 0, self.engine.divisor / items, 0.0)  # D c / N, with c = window.reference
-            multiply_gradients(self.engine.parameters(), scale, window.reference)
-        result = self.last_window = exchange.result(step, self.wording, self.ranks)
-        if self.participation is not None:
-            self.participation.after_window(result.ranks_with_more, self.device, self.engine.group)
-        if self.planner is not None:
-            self.planner.received(result.following)
-        if result.uncut and result.items > 0 and backward:
-            _check_uncut(self.engine, result.uncut, self.device)
-        self._reference.after(result.items, self.ranks)
+        if backward and not windows[0].ahead:  # one part, counted after: the gradients times D c / N
+            items = exchange.items()[0]
+            scale = torch.where(items > 0, self.engine.divisor / items, 0.0) * windows[0].scale
+            multiply_gradients(self.engine.parameters(), scale)
+        summed = exchange.read(self.wording)
+        results = [w.result(s, step) for w, s in zip(windows, summed, strict=True)]
+        result = results[0] if not self.parts else _combined(step, dict(zip(self.parts, results, strict=True)))
+        self.last_window = result
+        self.ranks_with_more = round(summed[0][Slot.MORE])
+        self.next_totals = [s[Slot.NEXT] for s in summed]
+        if any(s[Slot.NAN_EMPTY] for s in summed) and result.items > 0 and backward:
+            _check_nan_empty(self.engine, round(max(s[Slot.NAN_EMPTY] for s in summed)), self.device)
+        self._typical.after(result.items, self.ranks)
         if result.items == 0 and backward:
             for param in self.engine.parameters():
                 param.grad = None  # without gradients no torch optimizer touches a parameter or its state
             self.skipped_steps += 1
-            self.batch.skipped = True
-            rank_zero_warn(f"The global item count of the window ending at step {step} is 0: {self.wording.skipped}")
         return result
 
 
-class LoopResults:
-    """What a weighted strategy tells of its loop of windows, Trainer and Fabric alike.
+class WeightedStrategy:
+    """What every weighted strategy tells of its loop of windows, Trainer and Fabric alike (a mixin).
 
-    Callbacks and loops that read a window's result check ``isinstance(strategy, LoopResults)``.
+    Callbacks and loops that read a window's result check ``isinstance(strategy, WeightedStrategy)``.
     """
 
     _loop: WindowLoop | None
 
     @property
     def padding_step(self) -> bool:
-        """The batch in progress is a replay of a rank whose data ran out (it counts for nothing)."""
-        return self._loop is not None and self._loop.batch.replay
+        """The batch in progress replays a batch of a rank whose data ran out (it counts for nothing)."""
+        raise NotImplementedError
 
     @property
     def data_parallel_group(self) -> dist.ProcessGroup | None:
@@ -319,9 +376,9 @@ class LoopResults:
         return self._loop.last_window if self._loop is not None else None
 
 
-def weighted(strategy: object, role: str) -> LoopResults:
+def weighted(strategy: object, role: str) -> WeightedStrategy:
     """``strategy`` where it is a weighted one; else a clear error, opening with what ``role`` says the caller does."""
-    if not isinstance(strategy, LoopResults):
+    if not isinstance(strategy, WeightedStrategy):
         raise ValueError(
             f"{role} a weighted strategy (`strategy='ddp_weighted'`), but the Trainer uses {type(strategy).__name__}."
             " Pass `strategy='ddp_weighted'` or drop the callback."
@@ -329,22 +386,39 @@ def weighted(strategy: object, role: str) -> LoopResults:
     return strategy
 
 
-_NEEDS_GRAPH = (
-    "On rank {}, {} {}. Under {} every rank runs each microbatch's backward through the sharded model, whose"
-    " collectives the other ranks wait in: give the loss of the model's forward (with a count of 0 for a microbatch"
-    " that holds no item)."
-)
+def _total(tensors: Iterable[Tensor | None]) -> Tensor | None:
+    present = [t for t in tensors if t is not None]
+    return torch.stack([t.reshape(()) for t in present]).sum() if present else None
 
 
-def _what(loss: Tensor | None) -> str:
-    return "None" if loss is None else "a loss that is not attached to the graph"
+def _combined(step: int, parts: dict[str, WindowResult]) -> WindowResult:
+    """The result of a window of several parts: their items summed, the objective the sum of their means."""
+    means = [p.loss for p in parts.values() if p.items > 0]
+    items = sum(p.items for p in parts.values())
+    loss = sum(means) if means else float("nan")
+    return WindowResult(step, items, sum(p.local_items for p in parts.values()), loss, parts)
 
 
-def multiply_gradients(parameters: Iterable[Tensor], factor: Tensor, reference: float | Tensor = 1.0) -> None:
-    """Multiplies every local gradient (a shard, for a sharded parameter) by ``factor · reference``.
+def summed_counts(counts: Sequence[Sequence[Count]], device: torch.device, group: dist.ProcessGroup | None) -> Tensor:
+    """Each part's SUM over ``group`` of every rank's valid ``counts``, left on the device (one all-reduce).
 
-    One fused pass per device and dtype.
+    Waited on by the device's stream, not the host.
     """
+    total = torch.zeros(max(len(counts), 1), dtype=torch.float64, device=device)
+    for k, part in enumerate(counts):
+        for count in part:
+            if isinstance(count.problem, Problem):
+                continue  # its problem is reported at the window's end, where the loop meets it
+            if isinstance(count.problem, Tensor):  # a count on the device, checked there
+                total[k] += torch.where(count.problem == 0, count.value, 0.0)
+            else:
+                total[k] += count.value
+    dist.all_reduce(total, group=group)
+    return total
+
+
+def multiply_gradients(parameters: Iterable[Tensor], factor: Tensor | float) -> None:
+    """Multiplies every local gradient (a shard, for a sharded parameter) by ``factor``, one fused pass per dtype."""
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for param in parameters:
         grad = param.grad
@@ -354,10 +428,10 @@ def multiply_gradients(parameters: Iterable[Tensor], factor: Tensor, reference: 
                 groups.setdefault((local.device, local.dtype), []).append(local)
     with torch.no_grad():
         for grads in groups.values():
-            multiply(grads, factor * reference)
+            multiply(grads, factor)
 
 
-class Reference:
+class TypicalCount:
     """:math:`c` of the windows counted after: 1, or the size of one microbatch's count where losses stay mean-sized.
 
     Mean-sized (an fp16 backward, where item sums could overflow): the first window takes the largest first count
@@ -374,10 +448,15 @@ class Reference:
         return 1.0 if self._value is None else self._value
 
     def take(self, count: Count | None, device: torch.device, group: dist.ProcessGroup | None) -> None:
-        """Notes a microbatch of the window (its count, at the first window of mean-sized losses)."""
+        """Notes a window's first microbatch (its count, at the first window of mean-sized losses)."""
         if self._value is None:
-            self._value = _first_reference(count, device, group)
-        self.microbatches += 1
+            first = torch.zeros((), dtype=torch.float64, device=device)
+            if count is not None and not isinstance(count.problem, Problem):
+                first = first + count.value
+                if isinstance(count.problem, Tensor):
+                    first = torch.where(count.problem == 0, first, 0.0)
+            dist.all_reduce(first, op=dist.ReduceOp.MAX, group=group)
+            self._value = torch.where(first > 0, first, 1.0)
 
     def after(self, items: float, ranks: int) -> None:
         """Takes the next window's :math:`c` from the window that ended with ``items``."""
@@ -386,41 +465,36 @@ class Reference:
         self.microbatches = 0
 
 
-def _first_reference(count: Count | None, device: torch.device, group: dist.ProcessGroup | None) -> Tensor:
-    """The largest first count over the ranks, 1 where none is positive."""
-    first = torch.zeros((), dtype=torch.float64, device=device)
-    if count is not None and not isinstance(count.problem, Problem):
-        first = first + count.value
-        if isinstance(count.problem, Tensor):  # a count on the device, checked there
-            first = torch.where(count.problem == 0, first, 0.0)
-    dist.all_reduce(first, op=dist.ReduceOp.MAX, group=group)
-    return torch.where(first > 0, first, 1.0)
-
-
-def _check_uncut(engine: Engine, ranks: int, device: torch.device) -> None:
+def _check_nan_empty(engine: Engine, ranks: int, device: torch.device) -> None:
     """Raises on every rank where a microbatch counted 0 with a non-finite loss put non-finite values into gradients.
 
     Counted 0 on the host (or a replay), its backward runs through its own graph and the engine cuts its own NaN
     (0/0) out of its gradients: exact, unless a collective of the model's backward carried the NaN to the other
-    ranks. Counted 0 on the device, its loss was multiplied by 0, not cut: exact for a loss whose gradient is finite
-    where nothing is counted (PyTorch's losses with ``ignore_index`` or weights are), NaN for a mean that divides by
-    the count (0/0).
+    ranks. Counted 0 on the device, or a part counted 0 beside others, its loss was multiplied by 0, not cut: exact
+    for a loss whose gradient is finite where nothing is counted, NaN for a mean that divides by the count (0/0).
     """
     flag = torch.zeros(1, dtype=torch.float64, device=device)
     for param in engine.parameters():
         grad = param.grad
         if grad is not None:
             local = grad.to_local() if hasattr(grad, "to_local") else grad
-            flag += (~torch.isfinite(local._values() if local.is_sparse else local)).any()
+            flag += (~torch.isfinite(local.coalesce().values() if local.is_sparse else local)).any()
     dist.all_reduce(flag, group=engine.group)
     if flag.item() == 0:
         return
     raise RuntimeError(
         f"On {ranks} rank(s), a microbatch whose count is 0 has a non-finite loss (the mean of a fully masked batch,"
         " 0/0), and NaN reached the gradients; nothing was stepped. Either a collective in the model's backward"
-        " (SyncBatchNorm, `all_gather(..., sync_grads=True)`) carried it to the other ranks, or its count was a"
-        " tensor, which the strategy does not read on the host (a device synchronisation), so the loss was"
-        " multiplied by 0 rather than cut out of the gradients. Make the loss finite where nothing is counted: divide"
-        " by `n.clamp(min=1)` (`max(n, 1)`), return the sum with `'reduction': 'sum'`, or use"
+        " (SyncBatchNorm, `all_gather(..., sync_grads=True)`) carried it to the other ranks, or the loss was"
+        " multiplied by 0 rather than cut out of the gradients: a count on the device is never read on the host,"
+        " and a loss part counted 0 beside others still runs its backward. Make the loss finite where nothing is"
+        " counted: divide by `n.clamp(min=1)` (`max(n, 1)`), return the sum with `'reduction': 'sum'`, or use"
         " `F.cross_entropy(..., ignore_index=-100)`, whose gradient is then 0."
     )
+
+
+_NEEDS_GRAPH = (
+    "On rank {}, {} {}. Under {} every rank runs each microbatch's backward through the sharded model, whose"
+    " collectives the other ranks wait in: give the loss of the model's forward (with a count of 0 for a microbatch"
+    " that holds no item)."
+)

@@ -19,9 +19,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_weighted.counts import imbalance
-from lightning_weighted.loop import LoopResults, weighted
-from lightning_weighted.window import WindowResult
+from lightning_weighted._compat import trainer_of
+from lightning_weighted.loop import WeightedStrategy, weighted
+from lightning_weighted.window import WindowResult, imbalance
 
 __all__ = ["ItemMetrics", "ItemMonitor", "loggable"]
 
@@ -34,8 +34,9 @@ class ItemMetrics:
     :meth:`update` takes each window's :class:`~lightning_weighted.WindowResult` (``strategy.last_window``), and
     :meth:`compute` returns, for the last one, the values to log (``fabric.log_dict(metrics.compute())``):
 
-    - ``train/loss``: the global item mean of the loss, ``Σ n·loss / N`` (absent where ``N = 0``);
-    - ``train/items``: ``N``; ``train/items_local``: this rank's items;
+    - ``train/loss``: the global item mean of the loss, ``Σ n·loss / N`` (absent where ``N = 0``); with loss parts,
+      the sum of their means, and each part's as ``train/loss/<part>``;
+    - ``train/items``: ``N`` (each part's as ``train/items/<part>``); ``train/items_local``: this rank's items;
     - ``train/items_per_sec``: ``N`` over the window's wall time (where :meth:`update` was given it);
     - ``train/imbalance``: ``max_r P·n_r / N``, how far plain DDP would have skewed item influence (one 8-byte MAX
       all-reduce over :attr:`group`);
@@ -109,10 +110,14 @@ class ItemMetrics:
         if window.items > 0:
             values["train/loss"] = window.loss
         values["train/items"], values["train/items_local"] = window.items, window.local_items
+        for name, part in window.parts.items():
+            if part.items > 0:
+                values[f"train/loss/{name}"] = part.loss
+            values[f"train/items/{name}"] = part.items
         if collectives and self.imbalance:
             values["train/imbalance"] = self._imbalance(window)
         if collectives and self._aux:
-            values.update(self._aux_means(window))
+            values.update(self._aux_means())
         return values
 
     def end_epoch(self) -> dict[str, float]:
@@ -138,18 +143,20 @@ class ItemMetrics:
             return 1.0
         largest = torch.tensor(window.local_items, dtype=torch.float64, device=self.device)
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
-        return imbalance(float(largest), window.items, window.ranks)
+        return imbalance(float(largest), window.items, dist.get_world_size(self.group))
 
-    def _aux_means(self, window: WindowResult) -> dict[str, Tensor]:
+    def _aux_means(self) -> dict[str, Tensor]:
         """Each auxiliary term's mean over the window's microbatches and ranks, from one SUM of every rank's sums.
 
         The weight the strategies give the terms (each microbatch of each rank alike); a replayed batch adds 0.
         """
         names = sorted(self._aux)
         stacked = torch.stack([torch.as_tensor(self._aux[name], dtype=torch.float64) for name in names])
+        ranks = 1
         if dist.is_initialized():
             dist.all_reduce(stacked, group=self.group)
-        means = stacked / (self._microbatches * window.ranks)
+            ranks = dist.get_world_size(self.group)
+        means = stacked / (self._microbatches * ranks)
         return {f"train/aux/{name}": mean for name, mean in zip(names, means, strict=True)}
 
 
@@ -242,11 +249,11 @@ def loggable(value: float | Tensor, module: LightningModule) -> float | Tensor:
 
 
 def _float64(module: LightningModule) -> bool:
-    trainer = getattr(module, "_trainer", None)  # None outside a fit
+    trainer = trainer_of(module)  # None outside a fit
     return trainer is not None and str(trainer.precision).startswith("64")
 
 
-def _results(trainer: Trainer) -> LoopResults:
+def _results(trainer: Trainer) -> WeightedStrategy:
     """The weighted strategy whose windows are logged; a clear error for any other."""
     return weighted(trainer.strategy, "ItemMonitor logs the windows of")
 

@@ -1,4 +1,4 @@
-r"""One rank's accumulation window, whatever the engine: counts in, loss factors out, one payload, one result.
+r"""A microbatch's count and one rank's accumulation window: counts in, loss factors out, one payload, one result.
 
 The objective of one optimizer step, over ranks :math:`r` and the microbatches :math:`m` of its accumulation
 window, each holding :math:`n_{rm}` valid items whose mean gradient is :math:`\bar g_{rm}`:
@@ -7,95 +7,279 @@ window, each holding :math:`n_{rm}` valid items whose mean gradient is :math:`\b
 
     N = \sum_r \sum_m n_{rm}, \qquad g = \frac{1}{N} \sum_r \sum_m n_{rm}\, \bar g_{rm}.
 
-The engine's reduction divides the SUM of the ranks' gradients by :math:`D` (:math:`P`, the number of ranks, for
-an average such as DDP's; 1 for a SUM). Each microbatch's loss is multiplied by the factor :meth:`Window.add`
-returns, in one of two ways:
+With named loss parts, each part :math:`k` is a mean over its own items and the gradient is that of
+:math:`\sum_k \frac{1}{N_k} \sum_{r,m} n_{krm} \bar\ell_{krm}`: each part has a window of its own, and a part whose
+:math:`N_k` is 0 contributes nothing.
+
+The engine's reduction divides the SUM of the ranks' gradients by :math:`D` (:math:`P`, the number of ranks, for an
+average such as DDP's; 1 for a SUM). Each microbatch's loss is multiplied by the factor :meth:`Window.add` returns,
+one of two ways (the **two count paths**):
 
 - **counts ahead** (the window's :math:`N` is known before its first forward): the factor is :math:`D\,n/N`, and
   the reduction's result is :math:`g` itself;
 - **counts after** (known only once each forward has run): the factor is :math:`n/c`, for a constant :math:`c` the
-  same on every rank, and the engine multiplies the reduced gradients by :math:`D\,c/N` once the window's counts
-  are summed (:meth:`lightning_weighted.loop.WindowLoop.finish`).
+  same on every rank, and the loop multiplies the reduced gradients by :math:`D\,c/N` once the window's counts are
+  summed.
 
-Worked trace: ``w = 10``, per-item loss :math:`\tfrac12 (w - y)^2`; rank 0 holds targets ``[9, 9]``
-(``n = 2``, mean gradient 1), rank 1 holds ``[7] * 6`` (``n = 6``, mean gradient 3).
-:math:`g = (2 \cdot 1 + 6 \cdot 3) / 8 = 2.5`, where plain DDP averages means: :math:`(1 + 3) / 2 = 2`, and one
-SGD step with lr 0.1 lands on ``9.75`` instead of ``9.8``. Counted ahead, DDP's average (:math:`D = 2`) of the
-losses scaled by :math:`2 n_r / 8 = 0.5` and :math:`1.5` gives :math:`(0.5 + 4.5) / 2 = 2.5`; counted after
-(:math:`c = 1`), the average :math:`(2 + 18) / 2 = 10` times :math:`D c / N = 1/4` gives the same. With equal
-counts and one microbatch per window, either is plain DDP's average.
+Worked trace: ``w = 10``, per-item loss :math:`\tfrac12 (w - y)^2`; rank 0 holds targets ``[9, 9]`` (``n = 2``, mean
+gradient 1), rank 1 holds ``[7] * 6`` (``n = 6``, mean gradient 3). :math:`g = (2 \cdot 1 + 6 \cdot 3) / 8 = 2.5`,
+where plain DDP averages means, :math:`(1 + 3) / 2 = 2`; one SGD step with lr 0.1 lands on ``9.75``, not ``9.8``.
+Counted ahead, DDP's average (:math:`D = 2`) of the losses scaled by :math:`2 n_r / 8 = 0.5` and :math:`1.5` gives
+:math:`(0.5 + 4.5) / 2 = 2.5`; counted after (:math:`c = 1`), the average :math:`(2 + 18) / 2 = 10` times
+:math:`D c / N = 1/4` gives the same. With equal counts and one microbatch per window, either is plain DDP's average.
+
+Pure: nothing here touches ``torch.distributed`` or Lightning, and no count on a device is read on the host.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from enum import IntEnum
 
 import torch
 from torch import Tensor
 
-from lightning_weighted.counts import MAX_ITEMS, TRAINER, Count, Problem, Wording, problem_error
+__all__ = ["Count", "Problem", "Window", "WindowResult", "Wording", "problem_error", "read_count"]
 
-__all__ = ["SUMMED", "Slot", "Window", "WindowResult"]
+MAX_ITEMS = 2.0**53  # a rank's items in one window stay below it, where float64 still counts single items
 
 
-class Slot(IntEnum):
-    """The fields of one rank's float64 payload: written by :meth:`Window.payload`, read by :meth:`Window.finish`.
+class Problem(IntEnum):
+    """Why a microbatch's count (or loss) cannot be weighted."""
 
-    The first :data:`SUMMED` are summed over the ranks once per window; float64 holds every integer up to 2**53, so
-    item counts and weight sums stay exact, and every field is a value of its own, so a non-finite loss never touches
-    the counts. Which problem a rank found travels only where some rank found one (:meth:`Window.problem_row`).
+    NEGATIVE = 1
+    NOT_FINITE = 2
+    NOT_A_NUMBER = 3
+    NOT_A_SCALAR = 4
+    NO_LOSS = 5
+    NO_GRAPH = 6
+    FRACTIONAL = 7
+    TOO_LARGE = 8
+    REDUCTION = 9
+    MISSING = 10
+    DISAGREES = 11
+    AUX = 12
+    AUX_AFTER = 13
+    CHANGED = 14
+    AMBIGUOUS = 15
+    PARTS = 16
+    PARTS_AFTER = 17
+
+
+@dataclass(frozen=True)
+class Wording:
+    """How count errors name the call that handed over a loss and its count, and the fix they give.
+
+    Attributes:
+        source: the call and its verb, as in ``"training_step returned"``.
+        fix: the sentence that says what a valid count is and where it goes.
+        hooks: the hooks that change a batch between the loader and the step (``"on_after_batch_transfer"``).
+        strategy: the strategy's name.
     """
 
-    ITEMS = 0  # Σ_m n_m over this rank's window
-    NEXT = 1  # counted ahead: Σ_m n_m over this rank's next window
-    MORE = 2  # 1 if this rank holds real batches after this window
-    LOSS = 3  # Σ_m n_m · loss_m over this rank's window (the item sum, for a loss that is one)
-    UNCUT = 4  # 1 if a microbatch counted 0 had a non-finite loss (its backward ran: see `loop`)
-    INVALID = 5  # 1 if this rank found a problem
-    LOCAL = 6  # this rank's own items again, not summed: one host read brings both
+    source: str
+    fix: str
+    hooks: str = "a transfer hook"
+    strategy: str = "a weighted strategy"
 
 
-SUMMED = Slot.LOCAL  # the fields summed over the ranks: every one before LOCAL
+TRAINER = Wording(
+    "training_step returned",
+    "Return `{'loss': local_mean, 'count': n}` from `training_step` (or count with `ItemCounter`), where `n` is"
+    " the number of valid items (or the sum of sample weights) behind `local_mean`: an int, a float or a 0-dim"
+    " tensor, finite and >= 0",
+)
+FABRIC = Wording(
+    "fabric.backward got",
+    "Pass each microbatch's count as `fabric.backward(loss, count=n)`, where `loss` is the mean over the"
+    " microbatch's `n` valid items (or their sum, with `reduction='sum'`) and `n` is their number (or the sum of"
+    " their sample weights): an int, a float or a 0-dim tensor, finite and >= 0",
+)
+_MESSAGES: dict[Problem, tuple[type[Exception], str]] = {
+    Problem.NEGATIVE: (ValueError, "a microbatch's count is negative ({value!r})"),
+    Problem.NOT_FINITE: (ValueError, "a microbatch's count is not finite ({value!r})"),
+    Problem.NOT_A_NUMBER: (TypeError, "a microbatch's count is not a number"),
+    Problem.NOT_A_SCALAR: (TypeError, "a microbatch's count is a tensor with more than one element"),
+    Problem.NO_LOSS: (RuntimeError, "{source} None instead of a loss"),
+    Problem.NO_GRAPH: (RuntimeError, "{source} a loss that is not attached to the graph"),
+    Problem.FRACTIONAL: (ValueError, "a microbatch's count of examples or tokens is fractional ({value!r})"),
+    Problem.TOO_LARGE: (
+        ValueError,
+        "the window's count reaches 2**53 ({value!r}), where one item no longer changes a float64 sum;"
+        " count in coarser units or rescale the sample weights",
+    ),
+    Problem.REDUCTION: (
+        ValueError,
+        "{source} a 'reduction' that is neither 'mean' nor 'sum'; use 'sum' with a loss summed over the"
+        " microbatch's items, or leave it out for a mean",
+    ),
+    Problem.MISSING: (TypeError, "{source} no count"),
+    Problem.DISAGREES: (
+        ValueError,
+        "{source} a count ({value!r}) that differs from the one ItemCounter took from the same batch; make them"
+        " agree (e.g. the causal shift, `ignore_index`), or drop one of them",
+    ),
+    Problem.AUX: (
+        TypeError,
+        "{source} an 'aux' that is not a dict of one-element tensors; give each auxiliary term a name:"
+        " `'aux': {{'load_balance': lb, 'z': z}}`",
+    ),
+    Problem.AUX_AFTER: (
+        ValueError,
+        "{source} auxiliary terms ('aux'), which are averaged as plain DDP averages them, over the window's"
+        " microbatches and ranks; that needs the window's N before its backward, and its counts came after its"
+        " forwards. Count the batches ahead (`ItemCounter`, or `fabric.strategy.count_ahead` under Fabric), or add"
+        " the terms into 'loss' with the weight you want",
+    ),
+    Problem.CHANGED: (
+        ValueError,
+        "the batch training_step received holds {value!r} items where ItemCounter counted another number in the"
+        " batch the loader yielded: {hooks} changed it on its way to the step. Make the change in the dataset or"
+        " the collate_fn, so that ItemCounter counts it, or return `{{'loss': loss, 'count': n}}` from"
+        " training_step and drop ItemCounter",
+    ),
+    Problem.AMBIGUOUS: (
+        ValueError,
+        "{source} no count for a batch that combines several dataloaders, whose number of examples is ambiguous"
+        " (Lightning's batch size is the first loader's). Return `{{'loss': loss, 'count': n}}`, or count with"
+        " `ItemCounter('examples')` (every loader's rows) or `ItemCounter(lambda batch: ...)`",
+    ),
+    Problem.PARTS: (
+        ValueError,
+        "{source} loss parts whose names differ from the parts ItemCounter counts (or no 'parts' where it counts"
+        " several); return `{{'loss': total, 'parts': {{name: mean, ...}}}}` with one mean per counted part",
+    ),
+    Problem.PARTS_AFTER: (
+        ValueError,
+        "{source} loss parts ('parts'), each a mean over its own items, whose gradients cannot be divided by their"
+        " own counts once they are accumulated together. Count each part ahead: `ItemCounter(parts={{name:"
+        " ItemCounter(...), ...}})`, or `fabric.strategy.count_ahead({{name: [n, ...], ...}})` under Fabric",
+    ),
+}
+_WITH_VALUE = (Problem.NEGATIVE, Problem.NOT_FINITE, Problem.FRACTIONAL, Problem.TOO_LARGE, Problem.DISAGREES)
 
-Rows = Callable[[], Sequence[Sequence[float]]]  # every rank's problem row, gathered where some rank found one
+
+@dataclass(frozen=True)
+class Count:
+    """One microbatch's count, checked.
+
+    Attributes:
+        value: the number of valid items (or the sum of sample weights): a float, or a float64 0-dim tensor on the
+            count's device (never read on the host); the offending value when invalid.
+        problem: why it cannot be weighted: a :class:`Problem`, ``None``, or for a tensor count a float64 0-dim
+            tensor holding the problem's number (0: valid).
+        implicit: the batch size was counted only because nothing gave a count.
+    """
+
+    value: float | Tensor
+    problem: Problem | Tensor | None = None
+    implicit: bool = False
+
+
+def read_count(value: object, integer: bool = False, host: bool = False) -> Count:
+    """Checks a count: on the host for a number, on its device for a tensor (nothing is read back).
+
+    Args:
+        value: an int, a float or a one-element tensor.
+        integer: whether the count must be a whole number (examples, tokens).
+        host: read a tensor on the host (a count taken from a batch before it moves to the device).
+
+    Example::
+
+        >>> read_count(3)
+        Count(value=3.0, problem=None, implicit=False)
+        >>> read_count(-2.5).problem
+        <Problem.NEGATIVE: 1>
+        >>> count = read_count(torch.tensor(-2))  # checked where it lives
+        >>> float(count.value), float(count.problem)
+        (-2.0, 1.0)
+    """
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            return Count(math.nan, Problem.NOT_A_SCALAR)
+        if value.dtype == torch.bool or value.is_complex():
+            return Count(math.nan, Problem.NOT_A_NUMBER)
+        if host:
+            return read_count(value.item(), integer)
+        tensor = value.detach().reshape(()).double()
+        finite = tensor.abs() < math.inf  # NaN too is not
+        negative = torch.where(tensor < 0, float(Problem.NEGATIVE), torch.zeros_like(tensor))
+        problem = torch.where(finite, negative, float(Problem.NOT_FINITE))
+        if integer and value.is_floating_point():  # the first failing check wins
+            problem = torch.where((problem == 0) & (tensor != tensor.floor()), float(Problem.FRACTIONAL), problem)
+        return Count(tensor, problem)
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return Count(math.nan, Problem.NOT_A_NUMBER)
+    number = float(value)
+    if not math.isfinite(number):
+        return Count(number, Problem.NOT_FINITE)
+    if number < 0:
+        return Count(number, Problem.NEGATIVE)
+    if integer and not number.is_integer():
+        return Count(number, Problem.FRACTIONAL)
+    return Count(number)
 
 
 @dataclass(frozen=True)
 class WindowResult:
-    """What the count reduction of one optimizer step found, the same on every rank except ``local_items``.
+    """What one optimizer step's window summed to, the same on every rank except ``local_items``.
 
     Attributes:
         step: the optimizer step (``global_step``) the window ended at.
-        items: the global item count ``N`` of the window; 0 means the step changed nothing.
+        items: the global item count ``N`` (with several parts, the sum of theirs); 0: the step changed nothing.
         local_items: this rank's items in the window.
-        loss: the global item mean of the loss, ``Σ_r Σ_m n_rm · loss_rm / N`` (NaN when ``N = 0``).
-        ranks_with_more: how many ranks hold real batches after this window.
-        ranks: :math:`P`, the ranks whose counts were summed (the data-parallel ones).
-        following: counted ahead: the next window's ``N`` (0 where there is none).
-        uncut: how many ranks backpropagated a non-finite loss whose count was 0.
+        loss: the global item mean of the loss, ``Σ_r Σ_m n_rm · loss_rm / N`` (with parts, the sum of their means;
+            NaN where ``N = 0``).
+        parts: each named part's own result (empty for one unnamed loss).
     """
 
     step: int
     items: float
     local_items: float
     loss: float
-    ranks_with_more: int = 0
-    ranks: int = 1
-    following: float = 0.0
-    uncut: int = 0
+    parts: Mapping[str, WindowResult] = field(default_factory=dict)
+
+
+class Slot(IntEnum):
+    """The fields of one window's float64 payload; those before :data:`LOCAL` are summed over the ranks.
+
+    Float64 holds every integer up to 2**53, so counts stay exact; each field is a value of its own, so a
+    non-finite loss never touches the counts.
+    """
+
+    ITEMS = 0  # Σ_m n_m over this rank's window
+    NEXT = 1  # counted ahead: Σ_m n_m over this rank's next window
+    MORE = 2  # 1 if this rank holds real batches after this window
+    LOSS = 3  # Σ_m n_m · loss_m (the item sum, for a loss that is one)
+    NAN_EMPTY = 4  # 1 if a microbatch counted 0 had a non-finite loss (its backward ran through its graph)
+    INVALID = 5  # 1 if this rank found a problem
+    LOCAL = 6  # this rank's own items again, not summed: one host read brings both
+
+
+SUMMED = len(Slot) - 1
+
+
+class Summed:
+    """A window's payload after the SUM: what it tells the loop besides its :class:`WindowResult`."""
+
+    def __init__(self, values: Sequence[float]) -> None:
+        self.values = values
+
+    def __getitem__(self, slot: Slot) -> float:
+        return self.values[slot]
 
 
 class Window:
-    """One rank's account of one accumulation window.
+    """One rank's account of one accumulation window (of one loss part).
 
     Args:
-        reference: counts after: :math:`c`, what each loss is divided by beside being multiplied by its count.
+        scale: counts after: :math:`c`, what each loss is divided by beside being multiplied by its count.
         total: counts ahead: the window's :math:`N` (a number, or still on the device), summed before it started.
         divisor: counts ahead: :math:`D`, what the engine's reduction divides the SUM of the gradients by.
-        shares: counts ahead: :math:`P M`, the ranks times the window's microbatches, over which auxiliary terms
+        microbatches: counts ahead: :math:`P M`, every rank's microbatches of the window, over which auxiliary terms
             (:meth:`aux_factor`) are averaged as plain DDP averages its losses.
 
     Example (rank 1 of the worked trace, counted after)::
@@ -107,21 +291,17 @@ class Window:
         [6.0, 0.0, 0.0, 24.0, 0.0, 0.0, 6.0]
     """
 
-    __slots__ = ("_device", "_tensors", "divisor", "items", "problem", "reference", "shares", "total")
+    __slots__ = ("_checks", "_device", "_tensors", "divisor", "items", "microbatches", "problem", "scale", "total")
 
     def __init__(
-        self,
-        reference: float | Tensor = 1.0,
-        total: float | Tensor | None = None,
-        divisor: int = 1,
-        shares: int = 1,
+        self, scale: float | Tensor = 1.0, total: float | Tensor | None = None, divisor: int = 1, microbatches: int = 1
     ) -> None:
-        self.reference, self.total, self.divisor, self.shares = reference, total, divisor, shares
+        self.scale, self.total, self.divisor, self.microbatches = scale, total, divisor, microbatches
         self.items = 0.0  # Σ n of host counts
         self.problem: tuple[Problem, float] | None = None  # the first problem known on the host
-        self._device: dict[Slot, Tensor] = {}  # Σ n · loss of host counts, on the loss's device
-        # the counts that live on a device, as given: (n, its problem, the detached loss, whether an item sum)
-        self._tensors: list[tuple[Tensor, Tensor | None, Tensor | None, bool]] = []
+        self._device: dict[Slot, Tensor] = {}  # fields summed on the device: Σ n·loss of host counts, NAN_EMPTY
+        self._tensors: list[tuple[Tensor, Tensor, Tensor | None, bool]] = []  # device counts: n, problem, loss, sum
+        self._checks: list[tuple[Tensor, Tensor]] = []  # device counts checked against the plan: n, problem
 
     @property
     def ahead(self) -> bool:
@@ -136,12 +316,16 @@ class Window:
             loss: the microbatch's loss, kept detached for the window's loss (never read on the host).
             item_sum: whether ``loss`` is a sum over the items rather than their mean.
         """
-        if isinstance(count.problem, Problem):
-            self.reject(count.problem, count.value if isinstance(count.value, float) else math.nan)
+        n, problem = count.value, count.problem
+        if isinstance(problem, Problem):
+            self.reject(problem, n if isinstance(n, float) else math.nan)
             return 0.0
-        n = count.value
-        if isinstance(n, Tensor):
-            return self._add_tensor(n, count.problem, loss, item_sum)
+        if isinstance(n, Tensor) or isinstance(problem, Tensor):
+            n = torch.as_tensor(n, dtype=torch.float64, device=problem.device if problem is not None else None)
+            problem = problem if problem is not None else torch.zeros_like(n)
+            self._tensors.append((n, problem, None if loss is None else loss.detach(), item_sum))
+            valid = (problem == 0) & (n > 0)
+            return self._factor(valid.double() if item_sum else torch.where(valid, n, 0.0))
         if n == 0:
             return 0.0  # exactly nothing, also from the NaN mean of a fully masked microbatch
         if self.items + n >= MAX_ITEMS:
@@ -153,16 +337,29 @@ class Window:
             self._accumulate(Slot.LOSS, loss.detach().sum().double() * weight)
         return self._factor(weight)
 
-    def _add_tensor(self, n: Tensor, problem: Tensor | None, loss: Tensor | None, item_sum: bool) -> Tensor:
-        # Kept as it is: the window's device fields are computed once, by ``payload``, over all its microbatches.
-        self._tensors.append((n, problem, None if loss is None else loss.detach(), item_sum))
-        if item_sum:  # 1 for a counted microbatch, 0 for an empty one or a bad count
-            weight = (n > 0 if problem is None else (problem == 0) & (n > 0)).double()
-        else:  # n, or 0 for a bad count (a count of 0 is 0 already)
-            weight = torch.where(n > 0 if problem is None else problem == 0, n, 0.0)
-        factor = self._factor(weight)
-        assert isinstance(factor, Tensor)
-        return factor
+    def check(self, given: Count, planned: Count, problem: Problem = Problem.DISAGREES) -> None:
+        """Checks a microbatch's count, counted again, against the one planned ahead: they must agree, or ``problem``.
+
+        A tensor is compared on its device, the difference folded into the window's payload (no host read); the
+        planned count, whose factor the microbatch keeps, is never replaced.
+
+        Example::
+
+            >>> window = Window(total=4.0)
+            >>> window.check(read_count(torch.tensor(3)), Count(4.0), Problem.CHANGED)
+            >>> window.problem_row(torch.device("cpu")).tolist()
+            [14.0, 3.0]
+        """
+        if planned.problem is not None or isinstance(given.problem, Problem):
+            if isinstance(given.problem, Problem):
+                self.reject(given.problem, given.value if isinstance(given.value, float) else math.nan)
+            return
+        if isinstance(given.value, Tensor):
+            assert isinstance(given.problem, Tensor)
+            differs = (given.value != planned.value) & (given.problem == 0)
+            self._checks.append((given.value, torch.where(differs, float(problem), given.problem)))
+        elif given.value != planned.value:
+            self.reject(problem, given.value)
 
     def aux_factor(self) -> float | None:
         """What an auxiliary term is multiplied by (:math:`D / (P M)`: each microbatch of each rank weighs alike).
@@ -172,14 +369,14 @@ class Window:
 
         Example (the 2 ranks of DDP's average, windows of 3 microbatches)::
 
-            >>> Window(total=8.0, divisor=2, shares=2 * 3).aux_factor()
+            >>> Window(total=8.0, divisor=2, microbatches=2 * 3).aux_factor()
             0.3333333333333333
         """
-        return self.divisor / self.shares if self.ahead else None
+        return self.divisor / self.microbatches if self.ahead else None
 
     def _factor(self, weight: float | Tensor) -> float | Tensor:
         if self.total is None:
-            return weight if isinstance(self.reference, float) and self.reference == 1.0 else weight / self.reference
+            return weight if isinstance(self.scale, float) and self.scale == 1.0 else weight / self.scale
         if isinstance(self.total, Tensor):  # N still on the device: an epoch's first window counted ahead
             return torch.where(self.total > 0, weight * self.divisor / self.total, 0.0)
         return weight * self.divisor / self.total if self.total > 0 else 0.0
@@ -187,14 +384,12 @@ class Window:
     def empty(self, loss: Tensor) -> None:
         """Notes the loss of a microbatch that holds nothing and backpropagates all the same: whether it is finite.
 
-        Its own NaN never reaches the gradients (:mod:`lightning_weighted.engines`); a collective of the model's
-        backward may carry it to the other ranks, which the window's end then checks (``UNCUT``).
+        The engine cuts its own NaN out of the gradients; a collective of the model's backward may carry it to the
+        other ranks, which the window's end then checks (``NAN_EMPTY``).
         """
-        self._flag((~torch.isfinite(loss.detach())).any().double())
-
-    def _flag(self, value: Tensor) -> None:
-        held = self._device.get(Slot.UNCUT)
-        self._device[Slot.UNCUT] = value if held is None else torch.maximum(held, value)
+        flag = (~torch.isfinite(loss.detach())).any().double()
+        held = self._device.get(Slot.NAN_EMPTY)
+        self._device[Slot.NAN_EMPTY] = flag if held is None else torch.maximum(held, flag)
 
     def _accumulate(self, slot: Slot, value: Tensor) -> None:
         held = self._device.get(slot)
@@ -205,17 +400,17 @@ class Window:
         if self.problem is None:
             self.problem = (problem, value)
 
-    def payload(self, more: bool, device: torch.device, following: float = 0.0) -> Tensor:
+    def payload(self, more: bool, device: torch.device, next_items: float = 0.0) -> Tensor:
         """This rank's payload, a float64 vector on ``device`` indexed by :class:`Slot`; nothing read from the device.
 
         Args:
             more: whether this rank holds real batches after this window.
             device: where the gradients live.
-            following: counted ahead: this rank's items in the next window.
+            next_items: counted ahead: this rank's items in the next window.
         """
         fields = [0.0] * len(Slot)
         fields[Slot.ITEMS] = fields[Slot.LOCAL] = self.items
-        fields[Slot.NEXT], fields[Slot.MORE] = following, float(more)
+        fields[Slot.NEXT], fields[Slot.MORE] = next_items, float(more)
         fields[Slot.INVALID] = float(self.problem is not None)
         vector = torch.tensor(fields, dtype=torch.float64)
         if device.type == "cuda":
@@ -227,92 +422,56 @@ class Window:
             vector.index_add_(0, _index(tuple(parts), device), values)
         return vector
 
-    @staticmethod
-    def items_of(summed: Tensor) -> Tensor:
-        """``N`` in the summed payload, on its device."""
-        return summed[Slot.ITEMS]
-
     def problem_row(self, device: torch.device) -> Tensor:
-        """``[problem, value]`` of this rank's first problem (``[0, 0]``: none), on ``device``.
-
-        The host's first problem if there is one, else the first found on the device, read there.
-        """
+        """``[problem, value]`` of this rank's first problem (``[0, 0]``: none), on ``device``."""
         if self.problem is not None:
             return torch.tensor([float(self.problem[0]), self.problem[1]], dtype=torch.float64, device=device)
-        return torch.stack(self._device_problem()).to(device)
+        if not self._tensors and not self._checks:
+            return torch.zeros(2, dtype=torch.float64, device=device)
+        n, problems = self._stacked()
+        items = torch.where((problems == 0) & (n > 0), n, 0.0)[: len(self._tensors)].sum() + self.items
+        return torch.stack(_first_problem(n, problems, items)).to(device)
 
-    def finish(
-        self, summed: Sequence[float], step: int, wording: Wording = TRAINER, ranks: int = 1, rows: Rows | None = None
-    ) -> WindowResult:
-        """The window's result from its summed payload; raises its error, the same on every rank.
-
-        Args:
-            summed: the payload after the SUM (its first :data:`SUMMED` fields summed over the ranks).
-            step: the optimizer step the window ends at.
-            wording: how the error names the call that handed over the counts, and the fix.
-            ranks: how many ranks' payloads were summed.
-            rows: where some rank found a problem, every rank's :meth:`problem_row`, in rank order (a collective
-                every rank joins, as each reads the same sum); this rank's own alone by default.
-        """
-        if summed[Slot.INVALID] > 0:
-            found = rows() if rows is not None else [self.problem_row(torch.device("cpu")).tolist()]
-            raise problem_error(found, wording)
+    def result(self, summed: Summed, step: int) -> WindowResult:
+        """The window's result from its summed payload."""
         items = summed[Slot.ITEMS]
-        loss = summed[Slot.LOSS] / items if items > 0 else math.nan
-        return WindowResult(
-            step,
-            items,
-            summed[Slot.LOCAL],
-            loss,
-            round(summed[Slot.MORE]),
-            ranks,
-            summed[Slot.NEXT],
-            round(summed[Slot.UNCUT]),
-        )
+        return WindowResult(step, items, summed[Slot.LOCAL], summed[Slot.LOSS] / items if items > 0 else math.nan)
 
     def _device_fields(self) -> dict[Slot, Tensor]:
         """The payload's fields that live on a device, in one pass over the window's device counts."""
         fields = dict(self._device)
+        if not self._tensors and not self._checks:
+            return fields
+        every_n, every_problem = self._stacked()
+        items = self.items + torch.zeros_like(every_n[0])
+        if self.problem is None:
+            fields[Slot.INVALID] = (_first_problem(every_n, every_problem, items)[0] > 0).double()
         if not self._tensors:
             return fields
-        _, _, given, sums = zip(*self._tensors, strict=True)
-        n, problems = self._stacked()
-        zero = n.new_zeros(())
+        n, problems = every_n[: len(self._tensors)], every_problem[: len(self._tensors)]
         valid = (problems == 0) & (n > 0)
         counted = torch.where(valid, n, 0.0)
         items = counted.sum()
         fields[Slot.ITEMS] = fields[Slot.LOCAL] = items
-        if any(loss is not None for loss in given):
-            losses = torch.stack([zero if loss is None else loss if loss.dim() == 0 else loss.sum() for loss in given])
-            losses = losses.double()
-            if all(sums):  # item sums: each counted microbatch once
-                weights = valid.double()
-            elif not any(sums):  # means: each by its count
-                weights = counted
-            else:
-                weights = torch.where(torch.tensor(sums, device=n.device), valid.double(), counted)
+        losses_given = [loss for _, _, loss, _ in self._tensors]
+        if any(loss is not None for loss in losses_given):
+            zero = n.new_zeros(())
+            losses = torch.stack([zero if x is None else x.sum() for x in losses_given]).double()
+            sums = torch.tensor([item_sum for *_, item_sum in self._tensors], device=n.device)
+            weights = torch.where(sums, valid.double(), counted)
             loss = torch.where(valid, losses * weights, 0.0).sum()  # an inf loss of no count: 0
             fields[Slot.LOSS] = loss if Slot.LOSS not in fields else fields[Slot.LOSS] + loss
-            uncut = (~torch.isfinite(torch.where(valid, 0.0, losses).sum())).double()
-            held = fields.get(Slot.UNCUT)
-            fields[Slot.UNCUT] = uncut if held is None else torch.maximum(held, uncut)
+            nan_empty = (~torch.isfinite(torch.where(valid, 0.0, losses).sum())).double()
+            held = fields.get(Slot.NAN_EMPTY)
+            fields[Slot.NAN_EMPTY] = nan_empty if held is None else torch.maximum(held, nan_empty)
         if self.problem is None:
-            fields[Slot.INVALID] = (_first_problem(n, problems, items + self.items)[0] > 0).double()
+            fields[Slot.INVALID] = (_first_problem(every_n, every_problem, items + self.items)[0] > 0).double()
         return fields
 
     def _stacked(self) -> tuple[Tensor, Tensor]:
-        """The device counts, and each one's problem (0: valid), stacked in the window's order."""
-        n = torch.stack([count for count, *_ in self._tensors])
-        zero = n.new_zeros(())
-        return n, torch.stack([zero if problem is None else problem for _, problem, *_ in self._tensors])
-
-    def _device_problem(self) -> tuple[Tensor, Tensor]:
-        """The first problem among the device counts and its value (``0, 0``: none), with the window's total checked."""
-        if not self._tensors:
-            zero = torch.zeros((), dtype=torch.float64)
-            return zero, zero
-        n, problems = self._stacked()
-        return _first_problem(n, problems, torch.where((problems == 0) & (n > 0), n, 0.0).sum() + self.items)
+        """The device counts, then the checked ones, and each one's problem (0: valid), in the window's order."""
+        pairs = [(n, problem) for n, problem, *_ in self._tensors] + self._checks
+        return torch.stack([n for n, _ in pairs]), torch.stack([problem for _, problem in pairs])
 
 
 def _first_problem(n: Tensor, problems: Tensor, total: Tensor) -> tuple[Tensor, Tensor]:
@@ -333,3 +492,57 @@ def _index(slots: tuple[Slot, ...], device: torch.device) -> Tensor:
     if index is None:
         index = _INDICES[(slots, device)] = torch.tensor([int(slot) for slot in slots], device=device)
     return index
+
+
+def problem_error(rows: Sequence[Sequence[float]], wording: Wording = TRAINER) -> Exception:
+    """The one error every rank raises, from every rank's ``[problem, value]`` (``0``: none), in rank order.
+
+    Every rank gathers the same rows, so every rank raises the same error: one rank's problem names the rank and
+    quotes its value; a problem several ranks share is named once; different ones are counted.
+
+    Example::
+
+        >>> problem_error([[0.0, 0.0], [float(Problem.NEGATIVE), -3.0]]).args[0][:48]
+        "on rank 1, a microbatch's count is negative (-3)"
+    """
+    found = [(rank, Problem(round(kind)), value) for rank, (kind, value) in enumerate(rows) if kind > 0]
+    kinds = {problem for _, problem, _ in found}
+    if len(found) == 1:
+        rank, problem, value = found[0]
+        error_type, what = _MESSAGES[problem]
+        quoted = _quoted(value) if problem in (*_WITH_VALUE, Problem.CHANGED) else None
+        return error_type(f"on rank {rank}, {_format(what, quoted, wording)}. {wording.fix}.")
+    if len(kinds) == 1:
+        error_type, what = _MESSAGES[kinds.pop()]
+        what = what.replace(" ({value!r})", "").replace(" {value!r}", "")  # the values differ
+        return error_type(f"on {len(found)} ranks, {_format(what, None, wording)}. {wording.fix}.")
+    return ValueError(f"on {len(found)} ranks, a microbatch's count or loss is invalid. {wording.fix}.")
+
+
+def _format(what: str, value: object, wording: Wording) -> str:
+    return what.format(value=value, source=wording.source, hooks=wording.hooks)
+
+
+def _quoted(value: float) -> int | float:
+    """A count as a message quotes it: a whole number as an int (``-29``, not ``-29.0``), any other as it is.
+
+    Example::
+
+        >>> _quoted(-29.0), _quoted(2.5), _quoted(float("nan")), _quoted(1e20)
+        (-29, 2.5, nan, 1e+20)
+    """
+    return int(value) if abs(value) < 2**53 and value.is_integer() else value
+
+
+def imbalance(largest: float, items: float, ranks: int) -> float:
+    """``max_r P·n_r / N``: how much more weight the items of the rank with most get than plain DDP gives them.
+
+    Example (the worked trace: 2 and 6 items)::
+
+        >>> imbalance(largest=6, items=8, ranks=2)
+        1.5
+    """
+    return ranks * largest / items if items > 0 else 1.0
+
+
+Rows = Callable[[], Sequence[Sequence[float]]]

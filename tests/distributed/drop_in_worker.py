@@ -45,6 +45,7 @@ class Config:
     uneven: bool = False  # seeding, combined: rank 1 holds more items than rank 0
     spawn_workers: bool = False  # seeding: workers started with spawn (Lightning's worker check warns then)
     counter: bool = False  # seeding, subclass, combined: an ItemCounter counts each batch's examples
+    bare: bool = False  # combined: training_step returns a bare loss, whose count is ambiguous
 
 
 def classification_data(seed: int, items: int = 64) -> TensorDataset:
@@ -134,8 +135,12 @@ class Seen(LightningModule):
             self.seen[stage].append(_plain(batch))
         return sum((t.float().sum() for t in _tensors(batch)), torch.zeros(()))
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return (self.w * self._see("train", batch) + self.w**2).sum()
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = (self.w * self._see("train", batch) + self.w**2).sum()
+        if self.config.scenario == "combined" and not self.config.counter and not self.config.bare:
+            # the rows of every loader's part: a combined batch's number of examples is the step's to say
+            return {"loss": loss, "count": sum(len(t) for t in _tensors(batch))}
+        return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self._see("val", batch)

@@ -85,6 +85,14 @@ def test_every_combined_loader_mode_gives_the_batches_plain_ddp_gives(tmp_path, 
         assert len(weighted[0]["seen"]["train"]) == 4  # the longer loader's 4 batches, the shorter one then None
 
 
+def test_a_bare_loss_of_a_combined_batch_is_refused_on_every_rank_before_any_step(tmp_path):
+    # Lightning's batch size of {"first": ..., "second": ...} is the first loader's rows alone: never guessed
+    output = run(Config(scenario="combined", bare=True), tmp_path, expect_failure=True)
+    message = "training_step returned no count for a batch that combines several dataloaders"
+    assert output.count(f"ValueError: on 2 ranks, {message}") == 2, output[-3000:]
+    assert "ItemCounter('examples')" in output
+
+
 def test_an_item_counter_with_a_combined_loader_counts_the_combined_batch_after_it_is_combined(tmp_path):
     # the batch is whole only once Lightning combines the two loaders: it is counted then, on the device batch
     weighted, plain = (

@@ -40,8 +40,7 @@ def test_the_check_fails_where_a_per_microbatch_read_is_put_back():
     import torch
     from reads import DeviceTensor, ReadSpy
 
-    from lightning_weighted.counts import read_count
-    from lightning_weighted.window import Window
+    from lightning_weighted.window import Window, read_count
 
     spy = ReadSpy()
     spy.install()

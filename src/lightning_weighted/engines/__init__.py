@@ -1,18 +1,16 @@
 r"""Engines: how one engine's gradient reduction meets a window's counts, one small object each.
 
-The window loop (:mod:`lightning_weighted.loop`) needs four things of an engine, whatever it is:
+The window loop (:mod:`lightning_weighted.loop`) needs of an engine: :math:`D` (:attr:`Engine.divisor`, what its
+reduction divides the SUM of the ranks' gradients by: the data-parallel ranks for an average, 1 for a SUM), the
+data-parallel ranks (:attr:`Engine.group`), whether losses stay mean-sized (:attr:`Engine.mean_sized`), whether every
+microbatch must backpropagate through the model (:attr:`Engine.needs_graph`), the loss of a microbatch that holds
+no item (:meth:`Engine.empty` and :meth:`Engine.after_backward`) and the trained parameters
+(:meth:`Engine.parameters`).
 
-- :attr:`Engine.divisor`, :math:`D`: what its reduction divides the SUM of the ranks' gradients by (the number of
-  data-parallel ranks for an average, as DDP's and FSDP's own reductions are), and :attr:`Engine.group`, the
-  data-parallel ranks, over which a window's counts are summed;
-- :meth:`Engine.empty`: the loss of a microbatch known on the host to hold no item (a count of 0, a replay), whose
-  backward runs through its own forward's graph, as under plain DDP, so that every collective of the model's
-  backward (SyncBatchNorm's, an ``all_gather(..., sync_grads=True)``'s) runs and a sparse gradient stays sparse, and
-  adds nothing of its own to the gradients even where its mean is NaN (0/0 over a fully masked batch): each
-  gradient on its way in keeps only its finite values (:func:`finite_gradients`), so what a collective brings from
-  the other ranks' losses stays (where one carries the NaN to them, every rank raises at the window's end);
-- :meth:`Engine.parameters`: the trained parameters, whose local gradients (a shard each, when sharded) the loop
-  multiplies by :math:`D c / N` where the counts came after the forward, or drops where :math:`N = 0`.
+An empty microbatch's backward runs through its own forward's graph, as under plain DDP, so that every collective of
+the model's backward (SyncBatchNorm's, an ``all_gather(..., sync_grads=True)``'s) runs and a sparse gradient stays
+sparse; its own NaN (0/0 over a fully masked batch) is cut from each gradient on its way in, while what a collective
+brings from the other ranks' losses stays.
 
 To add an engine, write one file here with such an object and the strategy classes that build it.
 """
@@ -28,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["Engine", "finite_gradients"]
+__all__ = ["Engine", "FiniteGradients", "finite_gradients"]
 
 
 class Engine(Protocol):
@@ -52,6 +50,22 @@ class Engine(Protocol):
 
     def parameters(self) -> Iterable[Tensor]:
         """The trained parameters (the gradients of their local shards are the ones the loop touches)."""
+
+
+class FiniteGradients:
+    """What the engines that accumulate unsharded gradients (DDP, FSDP1) share: an empty microbatch's NaN, cut."""
+
+    def __init__(self) -> None:
+        self._handles: list[RemovableHandle] = []
+
+    def _cut(self, tensors: Iterable[Tensor]) -> None:
+        self._handles = finite_gradients(tensors)
+
+    def after_backward(self) -> None:
+        """Removes the hooks of an empty microbatch."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
 
 def finite_gradients(tensors: Iterable[Tensor]) -> list[RemovableHandle]:

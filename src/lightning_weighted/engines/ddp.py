@@ -7,14 +7,13 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
-from lightning_weighted.engines import finite_gradients
+from lightning_weighted.engines import FiniteGradients
 
 __all__ = ["DDPEngine", "fp16_backward", "zero_loss"]
 
 
-class DDPEngine:
+class DDPEngine(FiniteGradients):
     """The engine of a ``DistributedDataParallel`` model (Lightning's or Fabric's DDP strategy).
 
     Args:
@@ -24,12 +23,12 @@ class DDPEngine:
     """
 
     def __init__(self, ddp: nn.Module, module: nn.Module, mean_sized: bool = False) -> None:
+        super().__init__()
         self.ddp, self.module, self.mean_sized = ddp, module, mean_sized
         self.needs_graph = False
         self.group: dist.ProcessGroup | None = getattr(ddp, "process_group", None)
         self.divisor = dist.get_world_size(self.group)
         self._parameters = tuple(ddp.parameters())  # DDP's parameters are fixed once it wraps the model
-        self._zeroing: list[RemovableHandle] = []
 
     def empty(self, loss: Tensor | None) -> Tensor:
         """``0 · loss`` through its own graph; each parameter keeps the finite values of its gradient.
@@ -40,14 +39,8 @@ class DDPEngine:
         """
         if loss is None or loss.grad_fn is None:
             return zero_loss(self.module)
-        self._zeroing = finite_gradients(p for p in self._parameters if p.requires_grad)
+        self._cut(p for p in self._parameters if p.requires_grad)
         return loss.sum() * 0.0
-
-    def after_backward(self) -> None:
-        """Removes the hooks of an empty microbatch."""
-        for handle in self._zeroing:
-            handle.remove()
-        self._zeroing = []
 
     def parameters(self) -> Iterable[Tensor]:
         """The wrapped model's parameters."""

@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
+from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
-from lightning_weighted._compat import flat_parameters, reduce_scatter
-from lightning_weighted.engines import finite_gradients
+from lightning_weighted._compat import flat_parameters, fsdp1_options, fsdp_setup_helpers, reduce_scatter
+from lightning_weighted.engines import FiniteGradients
 
-__all__ = ["FSDP1Engine"]
+__all__ = ["FSDP1Engine", "wrapped_on_cpu"]
 
 
-class FSDP1Engine:
+class FSDP1Engine(FiniteGradients):
     """The engine of a ``FullyShardedDataParallel`` root; the constructor registers its communication hook once.
 
     Args:
@@ -38,10 +39,10 @@ class FSDP1Engine:
     def __init__(self, root: nn.Module) -> None:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
+        super().__init__()
         self.root = root
         first = next(m for m in root.modules() if isinstance(m, FullyShardedDataParallel))
         self.group: dist.ProcessGroup | None = first.process_group
-        self._zeroing: list[RemovableHandle] = []
         if first is root and first not in _HOOKED:  # FSDP1 takes one hook per root
             first.register_comm_hook(self, _sum_reduce_scatter)
             _HOOKED.add(first)
@@ -49,14 +50,8 @@ class FSDP1Engine:
     def empty(self, loss: Tensor | None) -> Tensor:
         """``0 · loss`` through its own graph; the flat parameters keep the finite values of their gradients."""
         assert loss is not None  # the loop refuses a step without a graph first (`needs_graph`)
-        self._zeroing = finite_gradients(flat_parameters(self.root))
+        self._cut(flat_parameters(self.root))
         return loss.sum() * 0.0
-
-    def after_backward(self) -> None:
-        """Removes the zeroing hooks of an empty microbatch."""
-        for handle in self._zeroing:
-            handle.remove()
-        self._zeroing = []
 
     def parameters(self) -> Iterable[Tensor]:
         """The root's parameters (FSDP1 keeps each one's gradient as a view of its flat gradient shard)."""
@@ -77,3 +72,28 @@ def _sum_reduce_scatter(engine: FSDP1Engine, grad: Tensor, output: Tensor | None
             " (NO_SHARD). Use a sharded strategy ('FULL_SHARD' or 'SHARD_GRAD_OP'), or 'ddp_weighted'."
         )
     reduce_scatter(output, grad, engine.group, dist.ReduceOp.SUM)
+
+
+def wrapped_on_cpu(strategy: Any, module: nn.Module) -> nn.Module | None:
+    """``module`` wrapped by a Lightning or Fabric ``FSDPStrategy`` on the CPU, where Lightning cannot wrap it.
+
+    Lightning passes the device's index, which is ``None`` on the CPU; FSDP1 needs the CPU named. ``None`` where the
+    strategy's device is not the CPU, or the module holds FSDP1 units already.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if strategy.root_device.type != "cpu" or any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+        return None
+    kwargs, checkpointing_kwargs = fsdp1_options(strategy)[1:]
+    wrapped = FullyShardedDataParallel(
+        module=module,
+        cpu_offload=strategy.cpu_offload,
+        mixed_precision=strategy.mixed_precision_config,
+        sharding_strategy=strategy.sharding_strategy,
+        device_id=torch.device("cpu"),
+        **kwargs,
+    )
+    move_metrics, checkpointing = fsdp_setup_helpers()
+    move_metrics(wrapped, strategy.root_device)
+    checkpointing(wrapped, checkpointing_kwargs)
+    return wrapped

@@ -17,7 +17,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_weighted._compat import FSDP2_TORCH, fsdp2_param_groups, fsdp2_policies, reduce_scatter, require_torch
+from lightning_weighted._compat import (
+    FSDP2_TORCH,
+    fsdp2_param_groups,
+    fsdp2_policies,
+    fsdp2_shard_sizes,
+    reduce_scatter,
+    require_torch,
+)
 
 __all__ = ["FP16_FIX", "FSDP2Engine", "shard_blocks"]
 
@@ -162,10 +169,10 @@ def _check_dtypes(name: str, fsdp: nn.Module, policies: list[Any]) -> None:
 
 def _shards_over_one_rank(group: Any) -> bool:
     """Whether FSDP2 copies instead of reduce-scattering this group's gradients (it shards over one rank)."""
-    mesh_info = group.mesh_info
-    if getattr(mesh_info, "shard_mesh_size", 1) > 1:
+    shards, replicas = fsdp2_shard_sizes(group)
+    if shards > 1:
         return False
-    if getattr(mesh_info, "replicate_mesh_size", 1) > 1:
+    if replicas > 1:
         raise ValueError(
             "An FSDP2 module replicates its parameters over a mesh without sharding them (a shard dimension of"
             " size 1): its gradients are all-reduced where an empty microbatch's cannot be zeroed. Shard over at"

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.utilities import rank_zero_warn
 from lightning.fabric.utilities.types import Optimizable
 from torch import Tensor
 from torch.nn import Module
@@ -13,24 +16,22 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_weighted._compat import unfloored
-from lightning_weighted.counts import FABRIC, Count, aux_terms, read_count
-from lightning_weighted.data import Participation, Policy, Replicas, participating, without_padding
 from lightning_weighted.engines import Engine
-from lightning_weighted.fabric._batches import FabricLoader, Yielded
-from lightning_weighted.loop import Batch, LoopResults, WindowLoop
+from lightning_weighted.fabric._loader import FabricLoader, Yielded
+from lightning_weighted.loaders import Participation, Policy, marked, participating, without_padding
+from lightning_weighted.loop import Output, WeightedStrategy, WindowLoop, terms
+from lightning_weighted.window import FABRIC, Count, Problem, read_count
 
 __all__ = ["WeightedFabricStrategy"]
 
 
-class WeightedFabricStrategy(LoopResults, ParallelStrategy):
+class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
     """The hooks of a weighted Fabric strategy, each a call into one :class:`~lightning_weighted.loop.WindowLoop`.
 
     A strategy puts it before its Fabric strategy (``class S(WeightedFabricStrategy, DDPStrategy)``), builds its
     engine when the model is set up (:meth:`_start`), and says whether a backward syncs (:meth:`_syncs`) and how to
-    keep a syncing backward local (:meth:`_local`).
-
-    After a window whose global ``N`` was 0 the ``optimizer.step()`` calls are skipped (``skipped_steps``);
-    ``last_window`` is the result of the last window.
+    keep a syncing backward local (:meth:`_local`). After a window whose global ``N`` was 0 the ``optimizer.step()``
+    calls are skipped (``skipped_steps``); ``last_window`` is the result of the last window.
     """
 
     strategy_name: str
@@ -41,39 +42,53 @@ class WeightedFabricStrategy(LoopResults, ParallelStrategy):
         self._policy: Policy = participation
         self._loop: WindowLoop | None = None
         self._yielded = Yielded()
+        self._planned: deque[bool] = deque()  # counted ahead: whether each microbatch of the window is a replay
         self._windows = 0  # windows ended so far
+        self._skip = False  # the last window had no item: the optimizer steps after it change nothing
 
     @property
     @override
     def padding_step(self) -> bool:
-        """The batch the loader yielded last is a replay of a rank whose data ran out (it counts 0)."""
-        return self._yielded.padding
+        return self._yielded.replay
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = dict(super().distributed_sampler_kwargs or {})
-        kwargs["num_replicas"] = Replicas(kwargs["num_replicas"])  # marks the sampler Fabric inserts
-        return kwargs
+        return marked(super().distributed_sampler_kwargs)
 
     def _start(self, engine: Engine) -> None:
         """Builds the loop over the engine of the model just set up (one model per strategy)."""
         if self._loop is not None:
             raise RuntimeError(_SECOND_MODEL.format(type(self).__name__))
-        self._loop = WindowLoop(engine, self.root_device, FABRIC, self.strategy_name)
+        self._loop = WindowLoop(engine, self.root_device, replace(FABRIC, strategy=self.strategy_name))
 
-    def count_ahead(self, counts: Sequence[object], integer: bool = False) -> None:
-        """Hands over the counts of the next window's microbatches, in order, before its first forward.
+    def count_ahead(self, counts: Sequence[object] | Mapping[str, Sequence[object]], integer: bool = False) -> None:
+        """Hands over the counts of the next window's microbatches, fetched already, before its first forward.
 
         The fast path of a loop that knows its window ahead (as torchtitan counts): one SUM of the counts over the
-        ranks follows (left on the device), and every loss of the window is scaled by ``D n / N`` before its
-        backward, with nothing to multiply after it. ``fabric.backward(loss)`` takes the counts in order (a
-        ``count=`` passed there too must agree). A count in host memory (a batch's, before the batch moves) is read
-        there, one on a device stays there; ``integer``: they must be whole numbers (examples, tokens).
+        ranks follows, left on the device, and every loss of the window is scaled by ``D n / N`` before its
+        backward, with nothing to multiply after it. ``fabric.backward`` takes the counts in order (a ``count=``
+        passed there too must agree). A count in host memory (a batch's, before the batch moves) is read there, one
+        on a device stays there; ``integer``: they must be whole numbers (examples, tokens). A dict of named parts,
+        each its own counts (``{"policy": [...], "kl": [...]}``), averages each part over its own ``N``;
+        ``fabric.backward(loss, parts={...})`` then passes each part's loss. The batches yielded last, as many as
+        counted, are the window's: a replay among them counts 0.
         """
-        replays = self._yielded.replays()  # the window's batches were fetched: a replay among them counts 0
-        planned = [read_count(count, integer, host=_in_host_memory(count)) for count in counts]
-        self._require_loop().plan([Count(0.0) if k < len(replays) and replays[k] else c for k, c in enumerate(planned)])
+        loop = self._require_loop()
+        named = dict(counts) if isinstance(counts, Mapping) else {"": counts}
+        loop.parts = tuple(name for name in named if name)  # the parts this window averages, each over its own N
+        size = max((len(c) for c in named.values()), default=0)
+        replays = self._yielded.replays(size)
+        replays = [False] * (size - len(replays)) + replays
+        planned = [
+            [
+                Count(0.0) if replay else read_count(c, integer, host=_in_host_memory(c))
+                for c, replay in zip(part, replays, strict=False)
+            ]
+            for part in named.values()
+        ]
+        loop.plan(planned)
+        self._planned = deque(replays)
 
     def _syncs(self) -> bool:
         """Whether the coming backward reduces gradients across ranks (it does not inside ``no_backward_sync``)."""
@@ -93,48 +108,66 @@ class WeightedFabricStrategy(LoopResults, ParallelStrategy):
         reduction: Literal["mean", "sum"] = "mean",
         window_end: bool | None = None,
         aux: dict[str, Tensor] | None = None,
+        parts: dict[str, Tensor] | None = None,
         **kwargs: Any,
     ) -> None:
         """``fabric.backward(loss, count=n)``: backpropagates ``loss`` weighted by its count within the window.
 
         Args:
-            tensor: the microbatch's mean over its ``count`` valid items (their sum with ``reduction="sum"``).
+            tensor: the microbatch's mean over its ``count`` valid items (their sum with ``reduction="sum"``); with
+                ``parts``, what plain Fabric would train (it is not used).
             module: what Fabric passes (the module given as ``model=``, or ``None``).
             *args: passed on to the precision plugin's backward.
             count: the number of valid items (or the sum of sample weights): an int, a float or a 0-dim tensor,
                 finite and ``>= 0``; an invalid or missing one raises on every rank when the window ends.
-            reduction: ``"mean"`` or ``"sum"``, what ``tensor`` is over the items.
+            reduction: ``"mean"`` or ``"sum"``, what ``tensor`` (each part) is over the items.
             window_end: whether this backward ends the window; by default the one outside
                 ``fabric.no_backward_sync(model)`` does (``False`` keeps a syncing backward local).
             aux: named auxiliary terms (a MoE load-balancing loss, a router z-loss), averaged as plain DDP averages
-                its losses, each microbatch of each rank alike; the window's counts must come ahead
-                (:meth:`count_ahead`).
+                its losses, each microbatch of each rank alike; the window's counts must come ahead.
+            parts: named loss parts, each the mean (or sum) over its own items, counted ahead by
+                :meth:`count_ahead` under the same names.
             **kwargs: passed on to the precision plugin's backward.
         """
         loop = self._require_loop()
         syncs = self._syncs()
         ends = _ends_window(syncs, window_end, reduction)
-        loop.batch = Batch(replay=self._yielded.backward(), ends_window=ends)
-        terms, problem = aux_terms({"aux": aux})
-        loop.add(tensor, None if count is None else read_count(count), reduction == "sum", problem, terms)
+        if not loop.open:
+            loop.parts = ()  # a window counted after its forwards: one loss
+        replay = self._planned.popleft() if self._planned else self._yielded.replay
+        self._yielded.backwards += 1
+        (named, bad_parts), (extra, bad_aux) = terms(parts), terms(aux)
+        problem = Problem.PARTS if bad_parts else Problem.AUX if bad_aux else None
+        counted = None if count is None else read_count(count)
+        step = Output(tensor, counted, reduction == "sum", named, extra, problem)
+        loop.add(step, replay)
+        scaled = loop.backward_loss(tensor)
+        participation, position = self._yielded.last()
+        more = participation is None or participation.has_more(position)
         if ends:
-            loop.participation = self._yielded.participation
-        tensor = loop.backward_loss(tensor)
+            loop.end(more)
         try:
             if syncs and not ends:
-                self._local(lambda: super(WeightedFabricStrategy, self).backward(tensor, module, *args, **kwargs))
+                self._local(lambda: super(WeightedFabricStrategy, self).backward(scaled, module, *args, **kwargs))
             else:
-                super().backward(tensor, module, *args, **kwargs)
+                super().backward(scaled, module, *args, **kwargs)
         finally:
             loop.engine.after_backward()
         if ends:
-            loop.finish(self._windows)
+            skipped = loop.skipped_steps
+            result = loop.finish(self._windows, more)
             self._windows += 1
+            self._planned.clear()
+            if participation is not None:
+                participation.after_window(loop.ranks_with_more, position, loop.engine.group, self.root_device)
+            self._skip = loop.skipped_steps > skipped
+            if self._skip:
+                rank_zero_warn(f"The global item count of window {result.step} is 0: {_SKIPPED}")
 
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         self._check_closed("optimizer.step()")
-        if self._loop is not None and self._loop.batch.skipped:
+        if self._skip:
             return None  # a window without items: no parameter, no optimizer state changes
         return super().optimizer_step(optimizer, **kwargs)
 
@@ -160,8 +193,8 @@ class WeightedFabricStrategy(LoopResults, ParallelStrategy):
         # Each item once per epoch (no padding sampler); where the ranks' batch counts differ, every rank yields
         # batches until every rank is done. A loader with as many batches everywhere is left as it is.
         participation = Participation(self._policy)
-        loader = participating(without_padding(dataloader), participation, self.root_device)
-        return FabricLoader(loader, participation, self._yielded) if participation.replays else loader
+        loader, stage = participating(without_padding(dataloader), participation, self.root_device)
+        return FabricLoader(loader, participation, self._yielded) if stage is not None else loader
 
     @override
     def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
@@ -178,6 +211,10 @@ class WeightedFabricStrategy(LoopResults, ParallelStrategy):
             raise RuntimeError(_OPEN.format(what))
 
 
+_SKIPPED = (
+    "the optimizer steps after it change nothing. A loop that steps an LR scheduler can skip it when"
+    " `fabric.strategy.last_window.items == 0`."
+)
 _SECOND_MODEL = (
     "{} weights the gradients of one model, and a second one was set up. Set up the trained modules as one"
     " `nn.Module` (a container of both)."

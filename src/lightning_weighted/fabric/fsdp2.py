@@ -12,34 +12,26 @@ from typing_extensions import override
 
 from lightning_weighted._compat import BackwardSyncControl, StrategyRegistry, register, set_backward_sync_control
 from lightning_weighted._launch import data_parallel_group, every_rank_data_parallel
-from lightning_weighted.data import Policy
 from lightning_weighted.engines.fsdp2 import FSDP2Engine, shard_blocks
 from lightning_weighted.fabric._strategy import WeightedFabricStrategy
+from lightning_weighted.loaders import Policy
 
 __all__ = ["WeightedFabricModelParallelStrategy"]
 
 
 class WeightedFabricModelParallelStrategy(WeightedFabricStrategy, ModelParallelStrategy):
-    """Fabric's FSDP2 (``ModelParallelStrategy``), optimising the mean over every valid item of each window.
+    """Fabric's FSDP2 (``ModelParallelStrategy``), whose every window follows the gradient of the global item mean.
 
-    The loop is :class:`~lightning_weighted.WeightedFabricDDPStrategy`'s, with its rules (``fabric.backward(loss,
-    count=n)``, windows ended by the backward outside ``fabric.no_backward_sync`` or marked with ``window_end=``,
-    empty microbatches and windows, errors on every rank, uneven data); the update is the one stated in
-    :mod:`lightning_weighted.window`. Set the model up before creating its optimizer (``model =
-    fabric.setup_module(model)``, then ``fabric.setup_optimizers(...)`` over ``model.parameters()``).
-
-    Every FSDP module SUM-reduces on every microbatch, also inside ``no_backward_sync``, which here only marks the
-    window: an empty microbatch's own non-finite values (NaN for a fully masked mean) are cut on their way into its
-    reduce-scatter, which a gradient accumulated unsharded over the window would not allow, and no unsharded
-    gradient is held between microbatches. The local gradient shards are multiplied by ``1 / N`` at the end of the
-    window's last backward (see :mod:`lightning_weighted.engines.fsdp2`).
+    The loop is :class:`~lightning_weighted.WeightedFabricDDPStrategy`'s. Set the model up before creating its
+    optimizer (``model = fabric.setup_module(model)``, then ``fabric.setup_optimizers(...)``). Every FSDP module
+    SUM-reduces on every microbatch, also inside ``no_backward_sync``, which here only marks the window (see
+    :mod:`lightning_weighted.engines.fsdp2`).
 
     Args:
         *args: ``ModelParallelStrategy``'s arguments; ``parallelize_fn`` (``fn(module, device_mesh) -> module``)
-            defaults to :func:`~lightning_weighted.engines.fsdp2.shard_blocks`, which also shards models with tied
-            parameters. ``data_parallel_size`` defaults to the world size divided by ``tensor_parallel_size``.
-        participation: ``"pad"`` lets a rank whose data ran out step with count 0 until every rank is done;
-            ``"strict"`` raises instead (see :mod:`lightning_weighted.data`).
+            defaults to :func:`~lightning_weighted.shard_blocks`. ``data_parallel_size`` defaults to the world size
+            divided by ``tensor_parallel_size``.
+        participation: as for :class:`~lightning_weighted.WeightedFabricDDPStrategy`.
         **kwargs: ``ModelParallelStrategy``'s keyword arguments.
 
     Example::

@@ -1,23 +1,18 @@
-"""The loaders of a weighted Trainer run: each as Lightning built it, sharded without padding, kept in step."""
+"""The loaders of a weighted fit: as Lightning built them, sharded without padding, kept in step, counted, resumed."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from lightning_weighted._compat import LOADER_BARRIERS, combined_mode
-from lightning_weighted.ahead import Lookahead
-from lightning_weighted.data import (
-    Participation,
-    Policy,
-    combined_lengths,
-    combined_message,
-    lengths_of,
-    participating,
-    without_padding,
-)
-from lightning_weighted.extension import extend, extension, own_state, restore
+from lightning_weighted.loaders import EpochBatches, Participation, Policy, participating, without_padding
+from lightning_weighted.loaders.epoch import combined_lengths, combined_message, lengths_of
+from lightning_weighted.loaders.extension import extend, extension, own_state, restore
+from lightning_weighted.window import Count
 
 __all__ = ["FitLoaders"]
 
@@ -27,8 +22,8 @@ class FitLoaders:
 
     Lightning names the barrier it passes right before it processes a stage's loaders, which says which stage the
     loaders handed to ``process_dataloader`` belong to. A loader whose ranks hold different numbers of batches
-    replays (:func:`~lightning_weighted.data.participating`); the train loader also counts its batches ahead where a
-    :class:`~lightning_weighted.data.Lookahead` is given.
+    replays (:mod:`lightning_weighted.loaders.epoch`); one train loader is counted ahead where a count function is
+    given, and keeps each rank's place for a checkpoint.
 
     Args:
         policy: what a rank whose data ran out does (``"pad"`` or ``"strict"``).
@@ -38,63 +33,78 @@ class FitLoaders:
     def __init__(self, policy: Policy, device: torch.device) -> None:
         self.policy, self.device = policy, device
         self.train = Participation(policy)  # the train loader's epoch (one, for the loaders a CombinedLoader holds)
+        self.stage: EpochBatches | None = None  # the one train loader's batches, where it was extended
         self.evaluation: dict[str, list[Participation]] = {"val": [], "test": []}  # one per evaluation loader
-        self.lookahead: Lookahead | None = None
+        self.count: Callable[[Any], Sequence[Count]] | None = None  # counts ahead: each part's count of a batch
         self.train_loaders: list[Any] = []
         self.fit_loop: Any = None  # Lightning's fit loop, whose train CombinedLoader names its mode
         self._lengths: list[list[int]] = []  # every rank's length of each train loader (-1: none)
-        self._stage = ""
+        self._stage_name = ""
         self._extended: list[Any] = []
+        self._resumed: dict[str, Any] | None = None  # this rank's place in the epoch a checkpoint resumes
+        self._first = (0, 0)  # the pass in progress, and its first `batch_idx`
+        self._next: tuple[int, int, list[float] | None] | None = None  # the next window's pass, size and N
+
+    @property
+    def combined(self) -> bool:
+        """Whether a train batch combines several loaders' batches, whose number of examples is ambiguous.
+
+        A ``CombinedLoader`` of several loaders does in every mode but ``"sequential"``.
+        """
+        return len(self.train_loaders) > 1 and combined_mode(self.fit_loop) != "sequential"
 
     def at_barrier(self, name: str | None) -> None:
         """Notes which stage's loaders come next; its earlier loaders are given back (they are set up anew)."""
-        self._stage = LOADER_BARRIERS.get(name or "", "")
-        if self._stage == "train":
+        self._stage_name = LOADER_BARRIERS.get(name or "", "")
+        if self._stage_name == "train":
             self.release(self.train_loaders)
-            self.train_loaders, self.train.replays, self._lengths = [], False, []
-        elif self._stage:
-            self.evaluation[self._stage] = []
+            self.train_loaders, self.train.replays, self._lengths, self.stage = [], False, [], None
+        elif self._stage_name:
+            self.evaluation[self._stage_name] = []
 
-    def process(self, loader: Any, counts_ahead: bool) -> Any:
+    def process(self, loader: Any) -> Any:
         """The loader as the weighted run uses it (Lightning processes each loader of a CombinedLoader in turn)."""
-        if not self._stage:
+        if not self._stage_name:
             return loader  # a predict loader: Lightning's own sampler already shards without repeats
         loader = without_padding(loader)
-        if self._stage != "train":
+        if self._stage_name != "train":
             participation = Participation(self.policy)
-            self.evaluation[self._stage].append(participation)
-            return self._kept(participating(loader, participation, self.device, windows=False))
+            self.evaluation[self._stage_name].append(participation)
+            return self._kept(participating(loader, participation, self.device, windows=False)[0])
         lengths = lengths_of(loader, self.device)
-        self._lengths = [*self._lengths, lengths] if self.train_loaders else [lengths]
+        self._lengths = [*self._lengths, lengths]
         if len(self._lengths) == 1:  # one loader, so far: its own length rules
-            loader = participating(loader, self.train, self.device, lengths=lengths)
+            stateful = callable(getattr(loader, "state_dict", None))
+            loader, self.stage = participating(
+                loader, self.train, self.device, lengths=lengths, always=bool(self.count or stateful or self._resumed)
+            )
+            self._set_up(loader)
         else:
             if len(self._lengths) == 2:  # the first loader is one of several: the combined batches' lengths rule
                 self._reset(self.train_loaders[0])
             loader = self._combined(loader)
-        if self.lookahead is not None:
-            if counts_ahead and len(self._lengths) > 1:
-                raise ValueError(
-                    "ItemCounter counts each window's batches ahead in one train dataloader, but the reloaded train"
-                    " dataloaders are several. Keep one train dataloader, or return the count from training_step"
-                    " instead of using ItemCounter."
-                )
-            if len(self._lengths) == 1:
-                loader = extend(loader, self.lookahead.iterate)
-                self.lookahead.loader_state = own_state(loader)
-                extended = extension(loader)
-                assert extended is not None
-                extended.state = self.lookahead.state  # a checkpoint saves the state of what was trained
         self.train_loaders.append(self._kept(loader))
         return loader
+
+    def _set_up(self, loader: Any) -> None:
+        """The one train loader's stage: its own state saved as of what was trained, and a resumed place put back."""
+        stage, extended = self.stage, extension(loader)
+        if stage is None or extended is None:
+            return
+        stage.loader_state = own_state(loader)
+        stage.count = self.count
+        extended.state = lambda: stage.state_before(stage.position)
+        resumed = self._resumed
+        if resumed is not None:
+            stage.resume(resumed["position"], resumed["real"], resumed["at"] if stage.loader_state is not None else 0)
+            extended.load = lambda given: resumed["loader"]  # this rank's own; None: nothing left to load
+            self._resumed = None
 
     def _combined(self, loader: Any) -> Any:
         """One of several train loaders, as it is; checked, where the ranks' lengths differ, when Lightning sizes it.
 
-        What plain DDP trains in lockstep trains as it is: the ranks' numbers of combined batches, which the
-        ``CombinedLoader``'s mode decides (a shorter loader cycles under ``"max_size_cycle"``), are equal. Where
-        they differ, DDP's ranks would fall out of step: refused on every rank alike (each knows every rank's
-        lengths) when Lightning first asks for the loaders' lengths, after it processed them all, the mode known.
+        The ranks' numbers of combined batches, which the ``CombinedLoader``'s mode decides, must be equal, or DDP's
+        ranks would fall out of step: refused on every rank alike when Lightning first asks for the lengths.
         """
         if all(len(set(n)) == 1 for n in self._lengths) or any(n < 0 for n in self._lengths[-1]):
             return loader  # as many batches on every rank in every mode; or unsized: as under "ddp", theirs to align
@@ -110,24 +120,85 @@ class FitLoaders:
         return extend(loader, length=checked_length)
 
     def _reset(self, loader: Any) -> None:
-        """Takes the replays and the lookahead out of the first train loader again (before it is iterated)."""
+        """Takes the replays and the counting out of the first train loader again (before it is iterated)."""
         extended = extension(loader)
         if extended is not None:
             extended.stages.clear()
-            extended.length = extended.state = None
-        self.train.replays = False
+            extended.length = extended.state = extended.load = None
+        self.train.replays, self.stage = False, None
         self.train.new_epoch()
 
-    def alone(self, iterables: Any) -> bool:
-        """Whether Lightning's train ``iterables`` are one loader, whose batches are whole as it yields them."""
-        return len(self.train_loaders) == 1 and iterables is self.train_loaders[0]
+    def counts_ahead(self, iterables: Any) -> bool:
+        """Whether each window's counts are taken ahead; else the count function is taken out again.
 
-    def retract(self, loader: Any) -> None:
-        """Takes the lookahead out of a loader's iteration again (before it is iterated)."""
-        extended = extension(loader)
-        if self.lookahead is not None and extended is not None and self.lookahead.iterate in extended.stages:
-            extended.stages.remove(self.lookahead.iterate)
-            extended.state = None
+        They are where a count function is given and one train loader yields its batches whole.
+        """
+        ahead = self.count is not None and len(self.train_loaders) == 1 and iterables is self.train_loaders[0]
+        if not ahead and self.stage is not None:
+            self.stage.count = None
+        return ahead
+
+    def position(self, batch_idx: int) -> int:
+        """The place in its epoch of the train batch Lightning numbers ``batch_idx``.
+
+        A pass counts from where it started (past 0 where it resumed mid-epoch), whatever ``batch_idx`` Lightning
+        starts from (past 0 on a mid-epoch resume).
+        """
+        if self.stage is None:
+            return batch_idx
+        if self._first[0] != self.stage.passes:
+            self._first = (self.stage.passes, batch_idx)
+        return self.stage.start + batch_idx - self._first[1]
+
+    def window(self, size: int) -> tuple[list[list[Count]], list[float] | None]:
+        """Counts ahead: each part's counts of the next ``size`` batches, and their ``N`` where it is known already.
+
+        The exchange of the window before brings it, for every window but an epoch's first.
+        """
+        assert self.stage is not None
+        counts = [list(part) for part in zip(*self.stage.take(size), strict=True)]
+        planned, self._next = self._next, None
+        size = len(counts[0]) if counts else 0
+        if planned is None or planned[:2] != (self.stage.passes, size) or not size:
+            return counts, None
+        return counts, planned[2]
+
+    def following(self, size: int) -> list[float]:
+        """Counts ahead: this rank's items of each part in the ``size`` batches after the window in progress."""
+        assert self.stage is not None
+        counts = self.stage.peek(size) if size > 0 else []
+        self._next = (self.stage.passes, len(counts), None)
+        parts = list(zip(*counts, strict=True)) if counts else []
+        return [sum(c.value for c in part if c.problem is None and isinstance(c.value, float)) for part in parts]
+
+    def received(self, totals: list[float]) -> None:
+        """Takes the next window's ``N`` of each part from the exchange that ended the window in progress."""
+        if self._next is not None and self._next[1]:
+            self._next = (*self._next[:2], totals)
+
+    def state(self, trained: int, last: bool) -> dict[str, Any] | None:
+        """This rank's place in the train epoch, for a checkpoint taken once ``trained`` batches trained."""
+        if self.stage is None:
+            return None
+        return {**self.stage.state(trained), "last": last}
+
+    def resume(self, ranks: list[dict[str, Any] | None]) -> None:
+        """Takes every rank's place from a checkpoint; the train loader set up next starts where this rank's stopped.
+
+        Raises:
+            ValueError: the checkpoint was taken mid-epoch on another number of ranks.
+        """
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        middle = [r for r in ranks if r is not None and not r["last"] and r["position"] > 0]
+        if not middle:
+            return
+        if len(ranks) != world:
+            raise ValueError(
+                f"The checkpoint was taken in the middle of an epoch on {len(ranks)} ranks, each at its own place in"
+                f" its own shard, and the run resumes on a different number of ranks ({world}), whose shards differ."
+                f" Resume on {len(ranks)} ranks, or from a checkpoint taken at an epoch's end."
+            )
+        self._resumed = ranks[dist.get_rank() if dist.is_initialized() else 0]
 
     def release(self, loaders: list[Any] | None = None) -> None:
         """Gives back the loaders this run extended (all of them by default)."""

@@ -1,7 +1,7 @@
 """Every touch of Lightning's and the user's objects in a weighted fit, in one object, undone at ``teardown``.
 
-A weighted Trainer strategy works through Lightning's strategy hooks wherever Lightning has one
-(``on_train_batch_start``, ``training_step``, ``backward``, ``optimizer_step``, ``reduce``, ``process_dataloader``).
+A weighted Trainer strategy works through Lightning's strategy hooks wherever Lightning has one (``training_step``,
+``backward``, ``optimizer_step``, ``reduce``, ``process_dataloader``, ``save_checkpoint``, ``load_checkpoint``).
 Where it has none, :class:`Seam` touches another object, each touch named here with its reason; each is pinned by
 ``tests/unit/test_seam.py``, which fails on a Lightning that changes the reason:
 
@@ -10,9 +10,10 @@ Where it has none, :class:`Seam` touches another object, each touch named here w
   is out of data, and a -1 of the user's drops the half window (:meth:`WindowLoop.drop`).
 - :data:`SCHEDULERS`, the module's ``lr_scheduler_step``: Lightning steps LR schedulers only through it. After a
   window without items, step-interval schedulers do not step.
-- :data:`EVALUATION`, a callback put first in ``trainer.callbacks``: an evaluation batch's loader index and position
-  reach only the batch hooks of callbacks and the module, and an evaluation epoch's end only their epoch hooks.
-  There the replays of evaluation loaders are noted and the item-mean evaluation loss is logged.
+- :data:`BATCHES`, a callback put first in ``trainer.callbacks``: the strategy's own ``on_train_batch_start`` runs
+  after the callbacks' and the module's, which read ``padding_step``; an evaluation batch's loader index and an
+  evaluation epoch's end reach only callbacks and the module. There each batch begins, and the item-mean evaluation
+  loss is logged.
 - :data:`REPLAY_LOGS`, the module's ``log`` during a replayed step: Lightning adds every ``self.log`` call into the
   epoch's values; a replay's add nothing (a mean's batch size is 0, a sum's value 0).
 - :data:`METRICS`, the states of the module's torchmetrics around a replayed step: put back after it, update count
@@ -21,7 +22,7 @@ Where it has none, :class:`Seam` touches another object, each touch named here w
   FSDP1; FSDP1's own ``clip_grad_norm_`` over the shards takes its place.
 - :data:`SAMPLER_WARNING`, the warnings filter: Lightning warns that its ``DistributedSampler`` repeats items, and
   the one it inserts here (:class:`~lightning_weighted.UnpaddedDistributedSampler`) repeats none.
-- :data:`LOADERS`, each loader Lightning processes: extended for the fit (:mod:`lightning_weighted.extension`); the
+- :data:`LOADERS`, each loader Lightning processes: extended for the fit (:mod:`lightning_weighted.loaders`); the
   stage of a loader is read from the barrier Lightning names right before it processes a stage's loaders.
 """
 
@@ -29,7 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,19 +42,21 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_weighted._compat import metric_restore, metric_snapshot
-from lightning_weighted.loop import Batch, WindowLoop
-from lightning_weighted.trainer._evaluation import EvaluationLoss
+from lightning_weighted.loop import Exchange, Output, WindowLoop, read_output
 from lightning_weighted.trainer._loaders import FitLoaders
+from lightning_weighted.window import TRAINER, Count, Problem, Window, Wording
 
 __all__ = [
+    "BATCHES",
     "CLIP",
     "EPOCH_END",
-    "EVALUATION",
     "LOADERS",
     "METRICS",
     "REPLAY_LOGS",
     "SAMPLER_WARNING",
     "SCHEDULERS",
+    "BatchState",
+    "EvaluationLoss",
     "Seam",
     "logs_ignored",
     "patched",
@@ -60,7 +64,7 @@ __all__ = [
 
 EPOCH_END = "LightningModule.on_train_batch_start"
 SCHEDULERS = "LightningModule.lr_scheduler_step"
-EVALUATION = "Trainer.callbacks"
+BATCHES = "Trainer.callbacks"
 REPLAY_LOGS = "LightningModule.log"
 METRICS = "torchmetrics.Metric._update_count"
 CLIP = "FSDPPrecision.clip_grad_by_norm"
@@ -69,6 +73,33 @@ LOADERS = "Strategy.barrier"
 
 _SAMPLER_WARNING = "Using `DistributedSampler` with the dataloaders"  # the start of Lightning's message
 _WEIGHTED = ("mean", "avg", "sum")
+Counted = Callable[[Output, Any], "list[Count]"]
+
+
+@dataclass
+class BatchState:
+    """What a weighted fit's hooks note of the batch in progress: one new object per batch.
+
+    Attributes:
+        position: its place in its epoch (replays follow a rank's real batches).
+        replay: it replays a batch of a rank whose data ran out: it counts 0, and its logs and metrics leave no trace.
+        replays: its loader replays on some rank: values logged across ranks weigh each rank by whether its batch
+            was real.
+        loader: an evaluation batch's ``dataloader_idx``.
+        ends_window: its backward ends the window (the Trainer runs that batch inside ``optimizer_step``).
+        dropped: the epoch ends before it trains (``on_train_batch_start`` returned -1).
+        skipped: the window it ended had no item (``N = 0``): step-interval LR schedulers do not step after it.
+        plan: counts ahead, its window's counts and ``N``, planned again where the optimizer re-evaluates (LBFGS).
+    """
+
+    position: int = 0
+    replay: bool = False
+    replays: bool = False
+    loader: int = 0
+    ends_window: bool = False
+    dropped: bool = False
+    skipped: bool = False
+    plan: tuple[list[list[Count]], Sequence[float | Tensor]] | None = None
 
 
 class Seam:
@@ -76,15 +107,17 @@ class Seam:
 
     Args:
         loaders: the fit's loaders, whose participations tell which batches are replays.
+        begin_train: begins the train batch Lightning numbers ``batch_idx`` (the strategy's).
 
     Attributes:
-        loop: the loop of windows, from ``setup`` on; the batch in progress is its :attr:`WindowLoop.batch`.
+        batch: the batch in progress.
         weight: inside the step of a loader that replays, 1.0 for a real batch and 0.0 for a replay; ``None``
             elsewhere (Lightning's reductions as they are).
     """
 
-    def __init__(self, loaders: FitLoaders) -> None:
-        self.loaders = loaders
+    def __init__(self, loaders: FitLoaders, begin_train: Callable[[int], None]) -> None:
+        self.loaders, self.begin_train = loaders, begin_train
+        self.batch = BatchState()
         self.loop: WindowLoop | None = None
         self.evaluation: EvaluationLoss | None = None
         self.weight: float | None = None
@@ -101,7 +134,7 @@ class Seam:
                 lr_scheduler_step=self._scheduler_step(trainer, module.lr_scheduler_step),
             )
         )
-        callback = _Evaluation(self)
+        callback = _Batches(self)
         trainer.callbacks.insert(0, callback)  # type: ignore[attr-defined]
         self._touches.callback(trainer.callbacks.remove, callback)  # type: ignore[attr-defined]
 
@@ -115,8 +148,12 @@ class Seam:
         self.loaders.release()
 
     @contextlib.contextmanager
-    def step(self, module: LightningModule, batch: Batch) -> Iterator[None]:
-        """A step of ``batch``: a replay's logs and metrics leave no trace (:data:`REPLAY_LOGS`, :data:`METRICS`)."""
+    def step(self, module: LightningModule) -> Iterator[None]:
+        """The step of the batch in progress: a replay's logs and metrics leave no trace.
+
+        See :data:`REPLAY_LOGS` and :data:`METRICS`.
+        """
+        batch = self.batch
         self.weight = (0.0 if batch.replay else 1.0) if batch.replays else None
         metrics = [m for m in module.modules() if isinstance(m, Metric)] if batch.replay else []
         saved = [metric_snapshot(m) for m in metrics]
@@ -150,26 +187,29 @@ class Seam:
             response = -1 if self.loaders.train.stop else hook(batch, batch_idx)
             if response == -1:  # Lightning drops the half window's gradient: so do its counts
                 self.loop.drop()
+                self.batch = BatchState(dropped=True)
             return response
 
         return on_train_batch_start
 
     def _scheduler_step(self, trainer: Trainer, hook: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
         def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
-            assert self.loop is not None
             configs = trainer.lr_scheduler_configs
-            if self.loop.batch.skipped and any(c.scheduler is scheduler and c.interval == "step" for c in configs):
+            if self.batch.skipped and any(c.scheduler is scheduler and c.interval == "step" for c in configs):
                 return
             hook(scheduler, metric)
 
         return lr_scheduler_step
 
 
-class _Evaluation(Callback):
-    """The evaluation batches' hooks of a weighted fit (:data:`EVALUATION`): their replays, and the loss logged."""
+class _Batches(Callback):
+    """Where each batch of a weighted fit begins, before every other hook sees it (:data:`BATCHES`)."""
 
     def __init__(self, seam: Seam) -> None:
         self.seam = seam
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self.seam.begin_train(batch_idx)
 
     def on_validation_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
@@ -182,7 +222,7 @@ class _Evaluation(Callback):
         self._begin("test", batch_idx, dataloader_idx)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._end()
+        self.seam.batch = BatchState()
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._end("val", pl_module)
@@ -191,18 +231,84 @@ class _Evaluation(Callback):
         self._end("test", pl_module)
 
     def _begin(self, stage: str, batch_idx: int, dataloader_idx: int) -> None:
-        assert self.seam.loop is not None
         loaders = self.seam.loaders.evaluation[stage]
         participation = loaders[dataloader_idx] if dataloader_idx < len(loaders) else None
-        replay = participation is not None and participation.begin_batch(batch_idx)
         replays = participation is not None and participation.replays
-        self.seam.loop.batch = Batch(batch_idx, replay, replays, loader=dataloader_idx)
+        replay = replays and participation is not None and participation.replay(batch_idx)
+        self.seam.batch = BatchState(batch_idx, replay, replays, loader=dataloader_idx)
 
-    def _end(self, stage: str = "", module: LightningModule | None = None) -> None:
-        assert self.seam.loop is not None
-        self.seam.loop.batch = Batch()
-        if stage and module is not None and self.seam.evaluation is not None:
+    def _end(self, stage: str, module: LightningModule) -> None:
+        self.seam.batch = BatchState()
+        if self.seam.evaluation is not None:
             self.seam.evaluation.log(stage, module)
+
+
+class EvaluationLoss:
+    """The item mean of the loss each ``validation_step`` or ``test_step`` returns, over every rank (``val/loss``).
+
+    Each evaluation batch is counted by the training count rule into one window per loader (and per loss part),
+    whose payload is summed once at the epoch's end: exact whatever the ranks hold, each item once (a replayed batch
+    counts 0).
+
+    Args:
+        device: where the losses live.
+        group: the ranks that see different data.
+        counted: the training count rule: each part's count of a step's output and batch.
+        parts: the names of the loss parts (``()``: one loss).
+    """
+
+    def __init__(
+        self, device: torch.device, group: dist.ProcessGroup | None, counted: Counted, parts: Sequence[str] = ()
+    ) -> None:
+        self.device, self.group, self.counted, self.parts = device, group, counted, tuple(parts)
+        self.windows: dict[int, list[Window]] = {}
+
+    def add(self, output: Any, batch: Any, dataloader_idx: int) -> None:
+        """Records what a step returned for ``batch``: nothing unless it is a loss, or a dict with one."""
+        step = read_output(output)
+        losses = [step.parts.get(p) if step.parts else None for p in self.parts] if self.parts else [step.loss]
+        if all(loss is None for loss in losses):
+            return
+        windows = self.windows.setdefault(dataloader_idx, [Window() for _ in self.parts or ("",)])
+        counts = self.counted(step, batch)
+        problem = step.problem or (Problem.PARTS if any(loss is None for loss in losses) else None)
+        if problem is not None:
+            windows[0].reject(problem)
+            return
+        for window, count, loss in zip(windows, counts, losses, strict=True):
+            assert loss is not None
+            window.add(count, loss.detach(), step.item_sum)
+
+    def log(self, stage: str, module: LightningModule) -> None:
+        """Logs each loader's item-mean loss (the same on every rank); one float64 all-reduce per loader."""
+        several = len(self.windows) > 1
+        wording = _wording(stage)
+        for index, windows in sorted(self.windows.items()):
+            summed = Exchange(windows, True, self.device, self.group).read(wording)
+            results = [w.result(s, 0) for w, s in zip(windows, summed, strict=True)]
+            suffix = f"/dataloader_idx_{index}" if several else ""
+            values = {f"{stage}/loss/{p}{suffix}": r.loss for p, r in zip(self.parts, results, strict=False)}
+            means = [r.loss for r in results if r.items > 0]
+            if means:
+                values[f"{stage}/loss{suffix}"] = sum(means)
+            for name, value in values.items():
+                if value == value:  # a part without items this epoch logs nothing (NaN)
+                    # already global: the max of equal values is the value itself, exactly, on any number of ranks
+                    module.log(name, _loggable(value, module), reduce_fx="max", sync_dist=True, batch_size=1,
+                               add_dataloader_idx=False)  # fmt: skip
+        self.windows = {}
+
+
+def _wording(stage: str) -> Wording:
+    step = "validation_step" if stage == "val" else "test_step"
+    return Wording(f"{step} returned", TRAINER.fix.replace("training_step", step))
+
+
+def _loggable(value: float, module: LightningModule) -> float | Tensor:
+    trainer = module.trainer
+    return (
+        torch.tensor(value, dtype=torch.float64, device=module.device) if str(trainer.precision)[:2] == "64" else value
+    )
 
 
 @contextlib.contextmanager

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
@@ -19,31 +22,26 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_weighted._compat import fetched_batch, unfloored
-from lightning_weighted.ahead import Lookahead, Planner
-from lightning_weighted.counting import ItemCounter
-from lightning_weighted.counts import TRAINER, aux_terms, count_rule, returned_count, split_output
-from lightning_weighted.data import Policy, Replicas
+from lightning_weighted._compat import fetched_batch, train_batch_idx, train_progress, unfloored
+from lightning_weighted.counter import ItemCounter
 from lightning_weighted.engines import Engine
-from lightning_weighted.loop import LoopResults, WindowLoop
-from lightning_weighted.trainer._evaluation import EvaluationLoss
+from lightning_weighted.loaders import Policy, marked
+from lightning_weighted.loop import Output, WeightedStrategy, WindowLoop, read_output
 from lightning_weighted.trainer._loaders import FitLoaders
-from lightning_weighted.trainer._seam import Seam
+from lightning_weighted.trainer._seam import BatchState, EvaluationLoss, Seam
+from lightning_weighted.window import TRAINER, Count, Problem, Wording
 
-__all__ = ["WeightedTrainerStrategy"]
+__all__ = ["WeightedTrainerStrategy", "accumulates"]
+
+_TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 
 
-class WeightedTrainerStrategy(LoopResults, ParallelStrategy):
+class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
     """The hooks of a weighted Trainer strategy, each a call into one :class:`~lightning_weighted.loop.WindowLoop`.
 
     A strategy puts it before its Lightning strategy (``class S(WeightedTrainerStrategy, DDPStrategy)``) and says
-    which engine it drives in :meth:`_make_engine`. Counts are taken ahead where an
-    :class:`~lightning_weighted.ItemCounter` counts the batches of one train dataloader that ``training_step`` does
-    not fetch itself; else after the forward (see :mod:`lightning_weighted.loop`). What the fit touches beyond the
-    strategy's own hooks is in :mod:`lightning_weighted.trainer._seam`.
-
-    A window whose global ``N`` is 0 steps neither the optimizer nor step-interval LR schedulers
-    (``skipped_steps``); ``last_window`` is the result of the last optimizer step's window.
+    which engine it drives in :meth:`_make_engine`. What the fit touches beyond the strategy's own hooks is in
+    :mod:`lightning_weighted.trainer._seam`.
     """
 
     strategy_name: str
@@ -51,10 +49,10 @@ class WeightedTrainerStrategy(LoopResults, ParallelStrategy):
     def __init__(self, *args: Any, participation: Policy = "pad", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._loaders = FitLoaders(participation, torch.device("cpu"))  # its device once the strategy's is known
-        self._seam = Seam(self._loaders)
+        self._seam = Seam(self._loaders, self._begin_train)
         self._loop: WindowLoop | None = None
         self._counter: ItemCounter | None = None
-        self._implicit_noted = self._fetches_itself = False
+        self._ahead = self._implicit_noted = self._fetches_itself = self._checks_batch = False
 
     def _make_engine(self) -> Engine:
         """The engine this strategy drives, once its model is set up."""
@@ -68,34 +66,43 @@ class WeightedTrainerStrategy(LoopResults, ParallelStrategy):
     @property
     def counts_ahead(self) -> bool:
         """Whether this fit takes each window's counts from its batches ahead."""
-        return self._loop is not None and self._loop.counts_ahead
+        return self._ahead
+
+    @property
+    @override
+    def padding_step(self) -> bool:
+        return self._seam.batch.replay
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = dict(super().distributed_sampler_kwargs)
-        kwargs["num_replicas"] = Replicas(kwargs["num_replicas"])  # marks the sampler Lightning inserts
-        return kwargs
+        return marked(super().distributed_sampler_kwargs)
 
     @override
     def setup(self, trainer: Trainer) -> None:
         module = trainer.lightning_module
         if not module.automatic_optimization:
             raise MisconfigurationException(_MANUAL.format(type(module).__name__, self.strategy_name))
-        self._counter = next((c for c in trainer.callbacks if isinstance(c, ItemCounter)), None)  # type: ignore[attr-defined]
-        self._loaders.device = self.root_device
+        counter = next((c for c in trainer.callbacks if isinstance(c, ItemCounter)), None)  # type: ignore[attr-defined]
         self._fetches_itself = is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True)
-        if self._counter is not None and self._fetches_itself:
+        if counter is not None and self._fetches_itself:
             raise ValueError(_ITERATOR.format(type(module).__name__))
-        if self._fetches_itself and _accumulates(trainer):
+        if self._fetches_itself and accumulates(trainer):
             raise ValueError(_ITERATOR_ACCUMULATES.format(type(module).__name__))
-        if self._counter is not None:
-            self._loaders.lookahead = Lookahead(self._counter.count_of, self._counter.integer, self._loaders.train)
-        self._loaders.fit_loop = trainer.fit_loop
+        self._counter, self._loaders.device, self._loaders.fit_loop = counter, self.root_device, trainer.fit_loop
+        self._loaders.count = None if counter is None else (lambda batch: counter.counts(batch, host=True))
+        owners = (module, getattr(trainer, "datamodule", None))
+        hooks = [h for h in _TRANSFER_HOOKS for m in owners if m is not None and is_overridden(h, m)]
+        self._checks_batch = bool(hooks)  # the batch may change between the loader and the step
+        named = " and ".join(f"`{h}`" for h in dict.fromkeys(hooks))
+        wording = Wording(TRAINER.source, TRAINER.fix, named, self.strategy_name)
         super().setup(trainer)
         engine = self._make_engine()
-        self._loop = WindowLoop(engine, self.root_device, TRAINER, self.strategy_name)
-        self._seam.enter(trainer, module, self._loop, EvaluationLoss(self.root_device, engine.group))
+        parts = counter.names if counter is not None else ()
+        self._loop = WindowLoop(engine, self.root_device, wording, parts)
+        self._seam.enter(
+            trainer, module, self._loop, EvaluationLoss(self.root_device, engine.group, self.counts_of, parts)
+        )
 
     @override
     def teardown(self) -> None:
@@ -109,51 +116,67 @@ class WeightedTrainerStrategy(LoopResults, ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        return self._loaders.process(dataloader, self.counts_ahead)
+        return self._loaders.process(dataloader)
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
-        loop, lookahead = self._require_loop(), self._loaders.lookahead
-        loop.participation = self._loaders.train
-        if lookahead is not None and self._loaders.alone(trainer.train_dataloader):
-            loop.planner = Planner(lookahead, _window_size(trainer))
-        elif lookahead is not None and self._loaders.train_loaders:
-            self._loaders.retract(self._loaders.train_loaders[0])  # a combined batch is whole only once combined
+        self._ahead = self._loaders.counts_ahead(self._trainer().train_dataloader)
+        if self._counter is not None and self._counter.names and not self._ahead:
+            raise ValueError(
+                f"ItemCounter counts the loss parts {list(self._counter.names)}, each averaged over its own count,"
+                " which must be known before the window's backward; but the train batches combine several"
+                " dataloaders and cannot be counted ahead. Keep one train dataloader, or one loss part."
+            )
 
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        loop = self._require_loop()
-        if not loop.batch.dropped:
-            # Lightning hands `batch_idx` one fetch late where `training_step` takes `dataloader_iter`, while its
-            # epoch loop's own index counts this batch in both modes
-            index = self.lightning_module.trainer.fit_loop.epoch_loop.batch_idx  # type: ignore[union-attr]
-            loop.begin_batch(index, self._loaders.train.replays)
+    def _begin_train(self, batch_idx: int) -> None:
+        """Begins a train batch, before the callbacks' and the module's hooks: its replay, and its window's plan."""
+        loop, trainer = self._require_loop(), self._trainer()
+        # Lightning hands `batch_idx` one fetch late where `training_step` takes `dataloader_iter`; its epoch loop's
+        # own index counts this batch in both modes
+        index = train_batch_idx(trainer)
+        position = self._loaders.position(index)
+        participation = self._loaders.train
+        state = self._seam.batch = BatchState(position, participation.replay(position), participation.replays)
+        if self._ahead and not loop.open:
+            counts, totals = self._loaders.window(_window_size(trainer, index))
+            state.plan = (counts, loop.plan(counts, totals))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        loop, module = self._require_loop(), self.lightning_module
+        loop, module, state = self._require_loop(), self.lightning_module, self._seam.batch
         assert module is not None
-        with self._seam.step(module, loop.batch):
+        with self._seam.step(module):
             output = super().training_step(*args, **kwargs)
         # a step taking `dataloader_iter` counts the batch it fetched: the iterator itself is never touched
         batch = fetched_batch(module.trainer) if self._fetches_itself else args[0]
-        loss, item_sum, problem = split_output(output)
-        aux, aux_problem = aux_terms(output)
-        if loss is None and not loop.batch.replay:
-            loop.add(None, None, False)
-            return {"loss": loop.refused(None)}  # Lightning proceeds; every rank raises at the window's end
-        if loop.counts_ahead:  # the planned count stands; a returned one must agree
-            count = returned_count(output)
+        step = read_output(output)
+        if self._ahead:
+            counter = self._counter if self._checks_batch and not state.replay else None
+            loop.add(step, state.replay, counter.counts(batch) if counter is not None else [])
         else:
-            count = count_rule(output, batch, extract_batch_size, self._counter)
-            if count.implicit and not self._implicit_noted:
-                self._implicit_noted = True
-                rank_zero_info(_IMPLICIT.format(self.strategy_name))
-        loop.add(loss, count, item_sum, problem or aux_problem, aux)
+            loop.add(step if state.replay else _with_count(step, self.counts_of(step, batch)), state.replay)
+        if step.loss is None and step.parts is None:
+            return {"loss": loop.refused(None)}  # Lightning proceeds; every rank raises at the window's end
+        if step.loss is None and step.parts is not None and isinstance(output, Mapping):
+            return {**output, "loss": torch.stack(list(step.parts.values())).sum()}  # what the parts train
         return output
+
+    def counts_of(self, step: Output, batch: Any) -> list[Count]:
+        """The count rule, each part's: a ``"count"`` returned, else the ``ItemCounter``'s, else the batch size.
+
+        The batch size of a batch that combines several loaders is ambiguous, and refused.
+        """
+        if step.count is not None:
+            return [step.count]
+        if self._counter is not None:
+            return self._counter.counts(batch, combined=self._loaders.combined)
+        if self._loaders.combined:
+            return [Count(math.nan, Problem.AMBIGUOUS)]
+        if not self._implicit_noted:
+            self._implicit_noted = True
+            rank_zero_info(_IMPLICIT.format(self.strategy_name))
+        return [Count(float(extract_batch_size(batch)), implicit=True)]
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -165,10 +188,11 @@ class WeightedTrainerStrategy(LoopResults, ParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        loop = self._require_loop()
-        assert self.lightning_module is not None
+        loop, trainer = self._require_loop(), self._trainer()
         # Lightning divided the loss by `accumulate_grad_batches`: undone, the microbatch is weighted instead.
-        loss = loop.backward_loss(closure_loss, self.lightning_module.trainer.accumulate_grad_batches)
+        loss = loop.backward_loss(closure_loss, trainer.accumulate_grad_batches)
+        if self._seam.batch.ends_window:
+            loop.end(*self._facts())  # the exchange overlaps the window's last backward
         try:
             return super().backward(loss, optimizer, *args, **kwargs)
         finally:
@@ -178,15 +202,36 @@ class WeightedTrainerStrategy(LoopResults, ParallelStrategy):
     def optimizer_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], model: LightningModule | Module | None = None, **kw: Any
     ) -> Any:
-        # Lightning runs the window's last training step and backward inside this closure, and clips after it.
+        # Lightning runs the window's last training step and backward inside this closure, and clips after it; an
+        # optimizer that re-evaluates (LBFGS) runs it again on the same window.
         def closure_then_finish_window() -> Any:
-            loop = self._require_loop()
-            loop.batch.ends_window = True
+            state = self._seam.batch
+            if state.ends_window and state.plan is not None:
+                self._require_loop().plan(*state.plan)
+            state.ends_window = True
             result = closure()
-            loop.finish(self.lightning_module.trainer.global_step)  # type: ignore[union-attr]
+            self._finish()
             return result
 
         return super().optimizer_step(optimizer, closure_then_finish_window, model, **kw)
+
+    def _facts(self) -> tuple[bool, list[float]]:
+        """Whether this rank holds real batches after the window, and counted ahead its items in the next one."""
+        trainer = self._trainer()
+        more = self._loaders.train.has_more(self._seam.batch.position)
+        following = _window_size(trainer, train_batch_idx(trainer) + 1) if self._ahead else 0
+        return more, self._loaders.following(following) if self._ahead else []
+
+    def _finish(self) -> None:
+        loop, trainer, state = self._require_loop(), self._trainer(), self._seam.batch
+        skipped = loop.skipped_steps
+        result = loop.finish(trainer.global_step, *self._facts())
+        self._loaders.train.after_window(loop.ranks_with_more, state.position, loop.engine.group, self.root_device)
+        if self._ahead:
+            self._loaders.received(loop.next_totals)
+        if loop.skipped_steps > skipped:
+            state.skipped = True
+            rank_zero_warn(f"The global item count of the window ending at step {result.step} is 0: {_SKIPPED}")
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
@@ -195,25 +240,67 @@ class WeightedTrainerStrategy(LoopResults, ParallelStrategy):
         reduce = super().reduce  # type: ignore[safe-super]
         return self._seam.reduce(unfloored(tensor, reduce_op), reduce_op, group, reduce)
 
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        # Lightning keeps rank 0's loader state alone; each rank's place in its own shard is kept beside it.
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        mine = self._loaders.state(*train_progress(trainer)) if trainer is not None else None
+        ranks: list[Any] = [mine]
+        if dist.is_initialized():
+            ranks = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, mine)
+        if any(rank is not None for rank in ranks):
+            checkpoint[_KEY] = {"ranks": ranks}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint: dict[str, Any] = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        places = checkpoint.pop(_KEY, None)
+        if places is not None:
+            self._loaders.resume(places["ranks"])
+        return checkpoint
+
     def _evaluation_step(self, step: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        loop, module, evaluation = self._require_loop(), self.lightning_module, self._seam.evaluation
+        module, evaluation, state = self.lightning_module, self._seam.evaluation, self._seam.batch
         assert module is not None and evaluation is not None
-        with self._seam.step(module, loop.batch):
+        with self._seam.step(module):
             output = step(*args, **kwargs)
-        if not loop.batch.replay and args:
-            evaluation.add(output, args[0], loop.batch.loader, self._counter)
+        if not state.replay and args:
+            evaluation.add(output, args[0], state.loader)
         return output
+
+    def _trainer(self) -> Trainer:
+        assert self.lightning_module is not None
+        return self.lightning_module.trainer
 
     def _require_loop(self) -> WindowLoop:
         assert self._loop is not None, "the loop of windows is made at setup"
         return self._loop
 
 
+def _with_count(step: Output, counts: list[Count]) -> Output:
+    return Output(step.loss, counts[0] if counts else None, step.item_sum, step.parts, step.aux, step.problem)
+
+
+def accumulates(trainer: Trainer) -> bool:
+    """Whether the fit accumulates gradients over several batches (now, or in an epoch a scheduler names)."""
+    schedules = [c.scheduling for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)]  # type: ignore[attr-defined]
+    return trainer.accumulate_grad_batches > 1 or any(a > 1 for schedule in schedules for a in schedule.values())
+
+
+def _window_size(trainer: Trainer, batch_idx: int) -> int:
+    """How many batches Lightning accumulates into the window that would start at ``batch_idx``."""
+    accumulate = trainer.accumulate_grad_batches
+    return int(max(0, min(accumulate - batch_idx % accumulate, trainer.num_training_batches - batch_idx)))
+
+
+_KEY = "lightning_weighted"
+_SKIPPED = "the optimizer and step-interval LR schedulers were not stepped."
 _MANUAL = (
     "{} uses manual optimization (`automatic_optimization=False`), which {} does not weight. Use automatic"
     " optimization, or a plain strategy and scale the loss yourself."
 )
-
 _ITERATOR = (
     "ItemCounter counts the batches Lightning hands training_step, but {}.training_step takes `dataloader_iter` and"
     " fetches its own. Return each step's count instead, `{{'loss': loss, 'count': n}}`, and drop ItemCounter; or"
@@ -224,27 +311,9 @@ _ITERATOR_ACCUMULATES = (
     " fetch late, so it zeroes the gradients accumulated in a window one microbatch late and loses some of them"
     " (under any strategy). Use accumulate_grad_batches=1, or take `(batch, batch_idx)`."
 )
-
-
 _IMPLICIT = (
     "{}: training_step gave no count, so each microbatch counts its examples (the batch size). If the loss is a mean"
     " over tokens (a Hugging Face model's `out.loss` is), count them: return `{{'loss': loss, 'count':"
     " n_valid_tokens}}` or add `ItemCounter('tokens', key='labels', shift=True)`; counting by batch size trains like"
     " plain DDP. `ItemCounter('examples')` keeps examples and silences this."
 )
-
-
-def _window_size(trainer: Trainer) -> Callable[[int], int]:
-    """How many batches Lightning accumulates into the window that would start at a given ``batch_idx``."""
-
-    def size_at(batch_idx: int) -> int:
-        accumulate = trainer.accumulate_grad_batches
-        return int(max(0, min(accumulate - batch_idx % accumulate, trainer.num_training_batches - batch_idx)))
-
-    return size_at
-
-
-def _accumulates(trainer: Trainer) -> bool:
-    """Whether the fit accumulates gradients over several batches (now, or in an epoch a scheduler names)."""
-    schedules = [c.scheduling for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)]  # type: ignore[attr-defined]
-    return trainer.accumulate_grad_batches > 1 or any(a > 1 for schedule in schedules for a in schedule.values())

@@ -6,48 +6,32 @@ from typing import Any
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_weighted._compat import StrategyRegistry, augment_message, ddp_kwargs, join_enabled, register
 from lightning_weighted._launch import LAUNCHERS
-from lightning_weighted.data import Policy
 from lightning_weighted.engines import Engine
 from lightning_weighted.engines.ddp import DDPEngine, fp16_backward
-from lightning_weighted.trainer._strategy import WeightedTrainerStrategy
+from lightning_weighted.loaders import Policy
+from lightning_weighted.trainer._strategy import WeightedTrainerStrategy, accumulates
 
 __all__ = ["WeightedDDPStrategy"]
 
 
 class WeightedDDPStrategy(WeightedTrainerStrategy, DDPStrategy):
-    """DDP that optimises the mean over every valid item of each optimizer step, on every rank and microbatch.
+    """DDP whose every optimizer step follows the gradient of the mean over every valid item of all its microbatches.
 
-    ``training_step`` returns ``{"loss": local_mean, "count": n}``: the mean loss over the ``n`` valid items of
-    the microbatch (examples, unmasked tokens, or the sum of sample weights) and ``n`` itself, an int, a float
-    or a 0-dim tensor, finite and ``>= 0``; ``"reduction": "sum"`` marks a loss summed over the items instead.
-    A bare loss, or a dict without ``"count"``, counts examples (the batch size) unless an
-    :class:`~lightning_weighted.ItemCounter` counts. The synchronized gradient is then the one stated in
-    :mod:`lightning_weighted.window`, whatever the counts on each rank and the number of microbatches in the
-    window; Lightning's division by ``accumulate_grad_batches`` is undone.
-
-    DDP's own reducer averages the gradients, and the strategy's one exchange per window (a float64 all-reduce of
-    a few values, started before the backward that syncs) brings every rank the window's counts
-    (:mod:`lightning_weighted.loop`): with an ``ItemCounter`` counting the batches ahead each loss is scaled by
-    ``P n / N`` before its backward; otherwise the reduced gradients are multiplied by ``P c / N`` in one pass.
-    A communication hook of your own (``ddp_comm_hook``) must average over the ranks, as torch's do.
-
-    - A microbatch with ``n = 0`` contributes exactly zero, also when its mean is NaN (0/0).
-    - A window whose global ``N`` is 0 changes nothing: the optimizer and step-interval LR schedulers are
-      not stepped, on every rank alike, and rank 0 warns. ``skipped_steps`` counts such windows.
-    - An invalid count, a ``None`` return or a loss without a graph on any rank raises the same error on
-      every rank at the end of the window, before the optimizer step.
+    ``training_step`` returns its loss as under ``"ddp"`` (counted by an :class:`~lightning_weighted.ItemCounter`, or
+    by the batch size), or ``{"loss": local_mean, "count": n}``; the contract, the rules for empty microbatches and
+    windows, and the errors are in ``docs/how_it_works.md``, the objective in :mod:`lightning_weighted.window`. A
+    communication hook of your own (``ddp_comm_hook``) must average over the ranks, as torch's do.
 
     Args:
         *args: :class:`~lightning.pytorch.strategies.DDPStrategy`'s arguments.
         participation: ``"pad"`` lets a rank whose data ran out step with count 0 until every rank is done;
-            ``"strict"`` raises instead (see :mod:`lightning_weighted.data`).
+            ``"strict"`` raises instead (see :mod:`lightning_weighted.loaders.epoch`).
         **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy`'s keyword arguments.
 
     Example::
@@ -71,11 +55,7 @@ class WeightedDDPStrategy(WeightedTrainerStrategy, DDPStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        accumulates = trainer.accumulate_grad_batches > 1 or any(
-            isinstance(callback, GradientAccumulationScheduler)
-            for callback in trainer.callbacks  # type: ignore[attr-defined]
-        )
-        if ddp_kwargs(self).get("static_graph") and accumulates:
+        if ddp_kwargs(self).get("static_graph") and accumulates(trainer):
             raise MisconfigurationException(
                 "`static_graph=True` with gradient accumulation is not supported by DDP in this torch version."
                 " Drop `static_graph=True`, or set `accumulate_grad_batches=1`."

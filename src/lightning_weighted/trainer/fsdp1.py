@@ -16,42 +16,16 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_weighted._compat import StrategyRegistry, fsdp1_options, fsdp_setup_helpers, register
-from lightning_weighted.data import Policy
+from lightning_weighted._compat import StrategyRegistry, fsdp1_options, register
 from lightning_weighted.engines import Engine
-from lightning_weighted.engines.fsdp1 import FSDP1Engine
+from lightning_weighted.engines.fsdp1 import FSDP1Engine, wrapped_on_cpu
 from lightning_weighted.engines.fsdp2 import FP16_FIX
+from lightning_weighted.loaders import Policy
 from lightning_weighted.trainer._strategy import WeightedTrainerStrategy
 
 __all__ = ["WeightedFSDPStrategy"]
 
 _REFUSED_SHARDING = ("NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
-
-
-def _wraps_on_cpu(strategy: FSDPStrategy, model: Module) -> bool:
-    """Whether ``model`` is to be wrapped here: on the CPU, where Lightning's ``_setup_model`` cannot, and unwrapped."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    cpu = strategy.root_device.type == "cpu"
-    return cpu and not any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
-
-
-def _wrap_on_cpu(strategy: FSDPStrategy, model: Module) -> Module:
-    """``model`` wrapped as Lightning's ``FSDPStrategy._setup_model`` wraps it on CUDA, with the CPU as its device."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    wrapped = FullyShardedDataParallel(
-        module=model,
-        cpu_offload=strategy.cpu_offload,
-        mixed_precision=strategy.mixed_precision_config,
-        sharding_strategy=strategy.sharding_strategy,
-        device_id=torch.device("cpu"),  # Lightning passes the device index, which is None on the CPU
-        **strategy.kwargs,
-    )
-    move_metrics, checkpointing = fsdp_setup_helpers()
-    move_metrics(wrapped, strategy.root_device)
-    checkpointing(wrapped, fsdp1_options(strategy)[1])
-    return wrapped
 
 
 def _full_state_dict_in_place(module: Module) -> contextlib.AbstractContextManager[Any]:
@@ -68,31 +42,20 @@ def _full_state_dict_in_place(module: Module) -> contextlib.AbstractContextManag
 
 
 class WeightedFSDPStrategy(WeightedTrainerStrategy, FSDPStrategy):
-    """FSDP1 that optimises the mean over every valid item of each optimizer step, on every rank and microbatch.
+    """FSDP1 whose every optimizer step follows the gradient of the global item mean, on the CPU too.
 
-    Takes ``FSDPStrategy``'s arguments (auto-wrap policy, sharding strategy, mixed precision, activation
-    checkpointing, state-dict type) and runs on the CPU too, where Lightning refuses its own ``FSDPStrategy``: FSDP1
-    is wrapped there with ``device_id=torch.device("cpu")``, and full state dicts are not "offloaded" to the CPU
-    they are on already (FSDP1 frees the unsharded parameters it offloads, and a CPU "offload" is the same memory).
-    ``training_step`` follows :class:`~lightning_weighted.WeightedDDPStrategy`'s contract and rules, and the update
-    is the one stated in :mod:`lightning_weighted.window`.
-
-    Its communication hook SUM-reduce-scatters once per window, as Lightning's ``FSDPStrategy`` reduces (the
-    unsharded gradient is accumulated over the window's microbatches, an empty one's own non-finite values cut on
-    its way in), the window's counts are summed in the strategy's one exchange, and the local gradient shards are
-    multiplied by ``1 / N`` before clipping and the optimizer; with an ``ItemCounter`` each loss is scaled by
-    ``n / N`` before its backward instead (see :mod:`lightning_weighted.engines.fsdp1`).
+    Takes ``FSDPStrategy``'s arguments and runs on the CPU, where Lightning refuses its own ``FSDPStrategy``: FSDP1 is
+    wrapped there with ``device_id=torch.device("cpu")``, and full state dicts are not "offloaded" to the CPU they
+    are on already. ``training_step`` follows :class:`~lightning_weighted.WeightedDDPStrategy`'s contract; the
+    communication hook SUM-reduce-scatters once per window (see :mod:`lightning_weighted.engines.fsdp1`).
 
     Args:
         *args: ``FSDPStrategy``'s arguments. ``sharding_strategy`` must shard: ``"FULL_SHARD"`` (default) or
-            ``"SHARD_GRAD_OP"``; FSDP1 takes no communication hook for the hybrid ones, and ``"NO_SHARD"`` is
-            ``"ddp_weighted"``. Float16 computation or reduction (``"16-mixed"``, ``"16-true"``, a
-            ``mixed_precision`` in float16) is refused: item sums overflow it.
-        participation: ``"pad"`` lets a rank whose data ran out step with count 0 until every rank is done;
-            ``"strict"`` raises instead (see :mod:`lightning_weighted.data`).
+            ``"SHARD_GRAD_OP"`` (FSDP1 takes no communication hook for the hybrid ones; ``"NO_SHARD"`` is
+            ``"ddp_weighted"``). Float16 computation or reduction is refused: item sums overflow it.
+        participation: as for :class:`~lightning_weighted.WeightedDDPStrategy`.
         sync_every_microbatch: reduce-scatter every microbatch's gradient (as FSDP2 does) instead of once per
-            window: no unsharded gradient is held between microbatches, at the cost of ``A`` reduce-scatters per
-            optimizer step instead of one.
+            window: no unsharded gradient is held between microbatches, at ``A`` reduce-scatters per step.
         **kwargs: ``FSDPStrategy``'s keyword arguments.
 
     Example::
@@ -140,7 +103,7 @@ class WeightedFSDPStrategy(WeightedTrainerStrategy, FSDPStrategy):
 
     @override
     def _setup_model(self, model: Module) -> Module:
-        wrapped = _wrap_on_cpu(self, model) if _wraps_on_cpu(self, model) else super()._setup_model(model)
+        wrapped = wrapped_on_cpu(self, model) or super()._setup_model(model)
         self._fsdp1 = FSDP1Engine(wrapped)  # its hook is registered before the root's first forward
         return wrapped
 

@@ -11,34 +11,27 @@ from typing_extensions import override
 
 from lightning_weighted._compat import StrategyRegistry, register
 from lightning_weighted._launch import data_parallel_group, every_rank_data_parallel
-from lightning_weighted.data import Policy
 from lightning_weighted.engines import Engine
 from lightning_weighted.engines.fsdp2 import FP16_FIX, FSDP2Engine
+from lightning_weighted.loaders import Policy
 from lightning_weighted.trainer._strategy import WeightedTrainerStrategy
 
 __all__ = ["WeightedModelParallelStrategy"]
 
 
 class WeightedModelParallelStrategy(WeightedTrainerStrategy, ModelParallelStrategy):
-    """FSDP2 that optimises the mean over every valid item of each optimizer step, on every rank and microbatch.
+    """FSDP2 (and tensor parallelism) whose every optimizer step follows the gradient of the global item mean.
 
-    The module applies ``fully_shard`` in ``configure_model`` over ``self.device_mesh["data_parallel"]`` (and
-    tensor parallelism over ``self.device_mesh["tensor_parallel"]``), exactly as for Lightning's
-    ``ModelParallelStrategy``; ``training_step`` follows :class:`~lightning_weighted.WeightedDDPStrategy`'s contract
-    and rules, and the update is the one stated in :mod:`lightning_weighted.window`.
-
-    Every FSDP module SUM-reduces on each microbatch (FSDP2's default under accumulation in Lightning: no unsharded
-    gradient is held between microbatches), the window's counts are summed over the data-parallel group, and the
-    local gradient shards are multiplied by ``1 / N`` before clipping and the optimizer; with an ``ItemCounter``
-    each loss is scaled by ``n / N`` before its backward instead (see :mod:`lightning_weighted.engines.fsdp2`).
-    Float16 computation or reduction (``"16-mixed"``, ``"16-true"``, a ``MixedPrecisionPolicy`` in float16) is
+    The module applies ``fully_shard`` in ``configure_model`` over ``self.device_mesh["data_parallel"]`` (tensor
+    parallelism over ``self.device_mesh["tensor_parallel"]``), as for Lightning's ``ModelParallelStrategy``;
+    ``training_step`` follows :class:`~lightning_weighted.WeightedDDPStrategy`'s contract. Every FSDP module
+    SUM-reduces on each microbatch (see :mod:`lightning_weighted.engines.fsdp2`). Float16 computation or reduction is
     refused: item sums overflow it.
 
     Args:
         *args: ``ModelParallelStrategy``'s arguments. ``data_parallel_size`` defaults to the world size divided by
-            ``tensor_parallel_size``, and that to 1 (or the world size divided by ``data_parallel_size``).
-        participation: ``"pad"`` lets a rank whose data ran out step with count 0 until every rank is done;
-            ``"strict"`` raises instead (see :mod:`lightning_weighted.data`).
+            ``tensor_parallel_size``, and that to 1.
+        participation: as for :class:`~lightning_weighted.WeightedDDPStrategy`.
         **kwargs: ``ModelParallelStrategy``'s keyword arguments.
 
     Example::

@@ -5,7 +5,8 @@ state of that same object, so a loader keeps its identity while its iteration is
 placed in front (under the same name), given back by :func:`restore` at the end of the fit. Any other iterable is
 wrapped instead. The whole protocol is four functions: :func:`extend` adds a stage or a length, :func:`extension`
 finds what a loader runs (an :class:`Extension`, or ``None``), :func:`own_state` reads the loader's own state past
-the extension, :func:`restore` gives the loader back.
+the extension, :func:`restore` gives the loader back. A stateful loader's ``state_dict`` and ``load_state_dict``
+ask its :class:`Extension` which state to save and which to load.
 
 Example::
 
@@ -31,12 +32,20 @@ Stage = Callable[[Iterator[Any]], Iterator[Any]]
 
 
 class Extension:
-    """What an extended loader runs: its stages, its length, and the state of what Lightning has consumed."""
+    """What an extended loader runs: its stages, its length, and the states it saves and loads.
+
+    Attributes:
+        stages: what its iteration runs through, in order.
+        length: what replaces its length.
+        state: the state to save instead of its own (of an earlier moment: what was trained), or ``None``.
+        load: what to load instead of a given state (this rank's own); ``None`` from it: load nothing.
+    """
 
     def __init__(self) -> None:
         self.stages: list[Stage] = []
         self.length: Callable[[], int] | None = None
-        self.state: Callable[[], dict[str, Any] | None] | None = None  # a state of an earlier moment, or None
+        self.state: Callable[[], dict[str, Any] | None] | None = None
+        self.load: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None
 
 
 def extend(loader: Any, stage: Stage | None = None, length: Callable[[], int] | None = None) -> Any:
@@ -107,11 +116,19 @@ def _state_dict(loader: Any) -> dict[str, Any]:
     return earlier if earlier is not None else super(_Extended, loader).state_dict()  # type: ignore[no-any-return]
 
 
+def _load_state_dict(loader: Any, state_dict: dict[str, Any]) -> None:
+    """Loads the state the extension names in place of ``state_dict`` (this rank's own), else ``state_dict``."""
+    state = loader._lw.load(state_dict) if loader._lw.load is not None else state_dict
+    if state is not None:
+        super(_Extended, loader).load_state_dict(state)
+
+
 def _extended_class(cls: type[DataLoader[Any]]) -> type[DataLoader[Any]]:
     if cls not in _EXTENDED:
         namespace: dict[str, Any] = {"__module__": cls.__module__}
         if hasattr(cls, "state_dict"):  # a StatefulDataLoader: Lightning saves the state of loaders with one
             namespace["state_dict"] = _state_dict
+            namespace["load_state_dict"] = _load_state_dict
         _EXTENDED[cls] = type(cls.__name__, (_Extended, cls), namespace)
     return _EXTENDED[cls]
 
@@ -134,7 +151,11 @@ class _ExtendedIterable:
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self.__dict__["iterable"], name)
-        if name == "state_dict" and self._lw.state is not None:
-            state = self._lw.state
+        extension = self._lw
+        if name == "state_dict" and extension.state is not None:
+            state = extension.state
             return lambda: state() or value()
+        if name == "load_state_dict" and extension.load is not None:
+            load = extension.load
+            return lambda given: None if (chosen := load(given)) is None else value(chosen)
         return value

@@ -12,11 +12,13 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_weighted.loop import weighted
+from lightning_weighted.window import Count, read_count
 
 __all__ = ["ItemCounter", "count_documents", "count_examples", "count_tokens", "count_weights"]
 
-CountFn = Callable[[Any], "int | float | Tensor"]
+CountFn = Callable[[Any], int | float | Tensor]
 Preset = Literal["examples", "tokens", "weights", "documents"]
+_PRESETS = ("examples", "tokens", "weights", "documents")
 
 
 def count_examples(batch: Any) -> int:
@@ -93,35 +95,37 @@ def count_documents(batch: Any, key: str | int = "position_ids") -> int | Tensor
 class ItemCounter(Callback):
     """How a weighted strategy counts each microbatch's items from the batch: a specification, with no state of a fit.
 
-    With this callback ``training_step`` may return a bare loss (the mean over the microbatch's valid items).
-    The strategy then counts every batch on the host, as the loader yields it, before it reaches the device, and
-    sums each window's counts before the window's first forward (see :mod:`lightning_weighted.loop`); a
-    ``"count"`` that ``training_step`` still returns must agree with it. Where the batches cannot be counted ahead
-    (several train dataloaders), the strategy counts each microbatch on its device batch, and a ``"count"`` that
-    ``training_step`` returns takes precedence. A ``training_step`` taking ``dataloader_iter`` fetches batches the
-    callback never sees: refused at setup (return the count instead).
-
-    It is a callback so that ``Trainer(callbacks=[ItemCounter(...)])`` hands it to the strategy (a LightningCLI
-    config names it as any callback); its one hook, ``setup``, refuses a strategy that does not weight. It logs
-    nothing: :class:`~lightning_weighted.ItemMonitor` logs each step's weighted loss and counts.
+    With this callback ``training_step`` may return a bare loss (the mean over the microbatch's valid items): the
+    strategy counts every batch on the host as the loader yields it, before the window's first forward (the fast
+    path of :mod:`lightning_weighted.window`'s two). Where it cannot (several train dataloaders), it counts each
+    microbatch as ``training_step`` receives it. A ``"count"`` that ``training_step`` still returns must agree. It is a
+    callback so that ``Trainer(callbacks=[ItemCounter(...)])`` (or a LightningCLI config) hands it to the strategy;
+    it logs nothing (:class:`~lightning_weighted.ItemMonitor` does).
 
     Args:
         count: what to count: ``"examples"`` (:func:`count_examples`), ``"tokens"`` (:func:`count_tokens`),
-            ``"weights"`` (:func:`count_weights`), ``"documents"`` of packed rows (:func:`count_documents`, ``key``
-            ``"position_ids"`` by default), or a function ``count_fn(batch) -> int | float | Tensor``, as
-            ``ThroughputMonitor(batch_size_fn=...)``.
+            ``"weights"`` (:func:`count_weights`), ``"documents"`` of packed rows (:func:`count_documents`), or a
+            function ``count_fn(batch) -> int | float | Tensor``, as ``ThroughputMonitor(batch_size_fn=...)``. A preset
+            counts a batch that combines several loaders over every loader's part; a function gets the whole batch.
         key: where the labels, mask, weights or positions sit in the batch: a dict key, a tuple or list index, or
             a NamedTuple's field name.
         ignore_index: the label that marks a token the loss ignores (``"tokens"`` with labels).
         mask: whether ``key`` holds a 0/1 mask rather than labels (``"tokens"``).
         shift: count the targets of a causal LM, ``labels[..., 1:]`` (``"tokens"``).
         integer: whether counts must be whole numbers; defaults to ``True`` for examples and tokens.
+        parts: named loss parts, each a mean over its own items and counted its own way (an ``ItemCounter``, a
+            preset or a function); ``training_step`` then returns ``{"loss": total, "parts": {name: mean, ...}}``
+            and each part is averaged over its own global count (``count`` and the others are not used).
 
     Example::
 
-        >>> batch = {"labels": torch.tensor([[5, 7, 9], [5, 6, -100]])}
+        >>> batch = {"labels": torch.tensor([[5, 7, 9], [5, 6, -100]]), "image_mask": torch.tensor([[1, 1, 0]])}
         >>> ItemCounter("tokens", key="labels", shift=True).count_of(batch)
         tensor(3)
+        >>> image = lambda batch: batch["image_mask"].sum()
+        >>> parts = ItemCounter(parts={"text": ItemCounter("tokens", key="labels"), "image": image})
+        >>> [float(c.value) for c in parts.counts(batch)]
+        [5.0, 2.0]
     """
 
     def __init__(
@@ -133,15 +137,27 @@ class ItemCounter(Callback):
         mask: bool = False,
         shift: bool = False,
         integer: bool | None = None,
+        parts: Mapping[str, ItemCounter | Preset | CountFn] | None = None,
     ) -> None:
-        if isinstance(count, str) and count not in ("examples", "tokens", "weights", "documents"):
+        if isinstance(count, str) and count not in _PRESETS:
             raise ValueError(
                 f"count={count!r} is not a preset: use 'examples', 'tokens', 'weights', 'documents' or a function"
             )
         if count in ("tokens", "weights") and key is None:
             raise ValueError(f"count={count!r} needs `key=`, the batch key or index of the labels, mask or weights")
+        if parts is not None and (not isinstance(parts, Mapping) or not parts):
+            raise ValueError(f"parts={parts!r} is not a dict of named parts: pass {{'name': ItemCounter(...), ...}}")
         self.count, self.key, self.ignore_index, self.mask, self.shift = count, key, ignore_index, mask, shift
         self.integer = count in ("examples", "tokens") if integer is None else integer
+        self.parts = {
+            str(name): part if isinstance(part, ItemCounter) else ItemCounter(part)
+            for name, part in (parts or {}).items()
+        }
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The names of the loss parts (``()``: one loss)."""
+        return tuple(self.parts)
 
     def count_of(self, batch: Any) -> int | float | Tensor:
         """The count of one microbatch, as the chosen preset or function defines it."""
@@ -155,6 +171,27 @@ class ItemCounter(Callback):
         if self.count == "weights":
             return count_weights(batch, self.key)
         return count_tokens(batch, self.key, ignore_index=self.ignore_index, mask=self.mask, shift=self.shift)
+
+    def counts(self, batch: Any, host: bool = False, combined: bool = False) -> list[Count]:
+        """Each part's count of ``batch``, checked (one, without parts).
+
+        Args:
+            batch: the microbatch.
+            host: read the counts on the host (a batch the loader yielded, before it moves to the device).
+            combined: the batch combines several loaders' batches (a ``CombinedLoader``'s): a preset counts each.
+        """
+        counters = list(self.parts.values()) or [self]
+        return [read_count(c._combined(batch) if combined else c.count_of(batch), c.integer, host) for c in counters]
+
+    def _combined(self, batch: Any) -> int | float | Tensor:
+        if callable(self.count):
+            return self.count(batch)
+        subs = batch.values() if isinstance(batch, Mapping) else batch
+        total: Any = 0
+        for sub in subs:
+            if sub is not None:  # a loader out of batches, in mode "max_size"
+                total = total + self.count_of(sub)
+        return total  # type: ignore[no-any-return]
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

@@ -1,0 +1,14 @@
+"""The loaders of a weighted run: sharded without padding, each rank kept in step, counted ahead, resumable."""
+
+from lightning_weighted.loaders.epoch import EpochBatches, Participation, Policy, participating
+from lightning_weighted.loaders.sampler import UnpaddedDistributedSampler, marked, without_padding
+
+__all__ = [
+    "EpochBatches",
+    "Participation",
+    "Policy",
+    "UnpaddedDistributedSampler",
+    "marked",
+    "participating",
+    "without_padding",
+]

@@ -1,0 +1,127 @@
+"""Sharding without padding: every item once per epoch over all ranks, whatever sampler Lightning inserted."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sized
+from typing import Any, TypeVar
+
+import torch
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
+
+from lightning_weighted._compat import rebuild_loader, set_sampler
+
+__all__ = ["InsertedReplicas", "UnpaddedDistributedSampler", "marked", "without_padding"]
+
+T = TypeVar("T")
+
+
+class UnpaddedDistributedSampler(DistributedSampler[T]):
+    """A ``DistributedSampler`` that shards without padding: every index exactly once per epoch over all ranks.
+
+    Rank ``r`` takes positions ``r, r + P, r + 2P, ...`` of the same permutation ``DistributedSampler`` draws
+    (``seed + epoch``, call ``set_epoch`` as usual), so ranks differ by at most one item and none is repeated.
+
+    Example::
+
+        >>> [list(UnpaddedDistributedSampler(range(5), num_replicas=2, rank=r, shuffle=False)) for r in (0, 1)]
+        [[0, 2, 4], [1, 3]]
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[T],
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+    ) -> None:
+        if not isinstance(dataset, Sized):
+            raise TypeError(f"UnpaddedDistributedSampler needs a dataset with a length, got {type(dataset).__name__}")
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)
+        self.total_size = len(dataset)
+        self.num_samples = len(range(self.rank, self.total_size, self.num_replicas))
+
+    def __iter__(self) -> Iterator[T]:
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            indices: list[Any] = torch.randperm(self.total_size, generator=generator).tolist()
+        else:
+            indices = list(range(self.total_size))
+        return iter(indices[self.rank : self.total_size : self.num_replicas])
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class _UnpaddedWrapper(UnpaddedDistributedSampler[T]):
+    """Lightning's ``DistributedSamplerWrapper`` without padding: what a sampler of the user's draws, each once."""
+
+    def __iter__(self) -> Iterator[T]:
+        self.dataset.reset()  # type: ignore[attr-defined]  # Lightning's view of the sampler draws anew
+        return (self.dataset[index] for index in super().__iter__())
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        drawn = getattr(self.dataset._sampler, "set_epoch", None)  # type: ignore[attr-defined]
+        if callable(drawn):
+            drawn(epoch)
+
+
+class InsertedReplicas(int):
+    """The rank count a weighted strategy hands Lightning (or Fabric) for the ``DistributedSampler`` it inserts.
+
+    The sampler keeps it as its ``num_replicas``, which tells it from a sampler of the user's own, left alone.
+    """
+
+
+def marked(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """A strategy's ``distributed_sampler_kwargs`` with ``num_replicas`` marked as :class:`InsertedReplicas`."""
+    kwargs = dict(kwargs or {})
+    kwargs["num_replicas"] = InsertedReplicas(kwargs["num_replicas"])
+    return kwargs
+
+
+def without_padding(dataloader: object) -> object:
+    """Swaps the padding ``DistributedSampler`` Lightning inserted for one that repeats no item.
+
+    The sampler is replaced inside the loader Lightning has just built (``loader.sampler``, or inside its batch
+    sampler, where torchdata's ``StatefulDataLoader`` keeps it), which keeps every argument of a ``DataLoader``
+    subclass; where that is impossible the loader is built once more, and where that fails too the padding sampler
+    stays and rank 0 says so. A sampler of the user's own stays.
+    """
+    if not isinstance(dataloader, DataLoader):
+        return dataloader
+    batches: Any = dataloader.batch_sampler
+    sampler: Any = dataloader.sampler
+    if not _inserted(sampler) and batches is not None and _inserted(getattr(batches, "sampler", None)):
+        sampler = batches.sampler
+    if not _inserted(sampler):
+        return dataloader
+    unpadded = UnpaddedDistributedSampler(
+        sampler.dataset,
+        num_replicas=sampler.num_replicas,
+        rank=sampler.rank,
+        shuffle=sampler.shuffle,
+        seed=sampler.seed,
+    )
+    if batches is None or (isinstance(batches, BatchSampler) and batches.sampler is sampler):
+        set_sampler(dataloader, unpadded, keep=dataloader.sampler is not sampler)
+        return dataloader
+    try:
+        return rebuild_loader(dataloader, unpadded)
+    except Exception as error:  # Lightning cannot rebuild every loader; the padded one still trains
+        rank_zero_warn(
+            f"The {type(dataloader).__name__}'s DistributedSampler pads each rank to the same length, so up to"
+            f" {sampler.num_replicas - 1} items repeat every epoch and count twice; it could not be replaced ({error})."
+            " Pass a sampler of your own, or a DataLoader that Lightning can re-create."
+        )
+        return dataloader
+
+
+def _inserted(sampler: object) -> bool:
+    """Whether ``sampler`` is the padding one Lightning inserted (or its wrapper of a sampler of the user's)."""
+    padding = type(sampler) in (DistributedSampler, DistributedSamplerWrapper) and not sampler.drop_last  # type: ignore[attr-defined]
+    return padding and isinstance(sampler.num_replicas, InsertedReplicas)  # type: ignore[attr-defined]
