@@ -11,6 +11,7 @@ step where :math:`N = 0`). The objective is stated in :mod:`lightning_weighted.w
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,7 +27,6 @@ from lightning_weighted.window import (
     Count,
     Problem,
     Slot,
-    Summed,
     Window,
     WindowResult,
     Wording,
@@ -117,11 +117,11 @@ class Exchange:
         self.work.wait()
         return self.vector[Slot.ITEMS : SUMMED * len(self.windows) : SUMMED]
 
-    def read(self, wording: Wording) -> list[Summed]:
+    def read(self, wording: Wording) -> list[list[float]]:
         """Each part's summed payload, the one host read; raises the window's error on every rank alike."""
         self.items()
         values, parts = self.vector.tolist(), len(self.windows)
-        summed = [Summed([*values[k * SUMMED : (k + 1) * SUMMED], values[parts * SUMMED + k]]) for k in range(parts)]
+        summed = [[*values[k * SUMMED : (k + 1) * SUMMED], values[parts * SUMMED + k]] for k in range(parts)]
         if any(s[Slot.INVALID] > 0 for s in summed):
             raise problem_error(self._rows(), wording)
         return summed
@@ -149,7 +149,7 @@ class WindowLoop:
         last_window: the result of the last window.
         skipped_steps: how many windows had no item (``N = 0``) and changed nothing.
         ranks_with_more: from the last window's exchange, how many ranks hold real batches after it.
-        next_totals: counted ahead, the next window's ``N`` of each part, from the last window's exchange.
+        next_totals: counted ahead, each part's ``N`` of the next window, from the last window's exchange.
     """
 
     def __init__(self, engine: Engine, device: torch.device, wording: Wording, parts: Sequence[str] = ()) -> None:
@@ -162,9 +162,7 @@ class WindowLoop:
         self._planned: list[deque[Count]] = []  # each part's planned counts, taken in order by `add`
         self._exchange: Exchange | None = None
         self._backward = False  # the window ran a backward
-        self._factor: float | Tensor = 0.0  # the microbatch in progress's, for its one loss
-        self._graph: Tensor | None = None  # with parts: what to backpropagate (weighted, or their sum to empty)
-        self._aux: Tensor | None = None
+        self._loss: tuple[float | Tensor, Tensor | None, Tensor | None] = (0.0, None, None)  # factor, parts, aux
         self._typical = TypicalCount(engine.mean_sized)
 
     @property
@@ -177,8 +175,8 @@ class WindowLoop:
     ) -> Sequence[float | Tensor]:
         """Counts the next window ahead: each part's counts of its microbatches, which :meth:`add` takes in order.
 
-        Every loss of the window is then scaled by :math:`D n / N` before its backward. ``totals``: each part's
-        :math:`N` where an earlier exchange brought it; else one SUM now, left on the device. Returns the totals.
+        ``totals``: each part's :math:`N` where an earlier exchange brought it; else one SUM now, left on the device.
+        Returns the totals.
         """
         if self._windows:
             raise RuntimeError("a window's counts were handed over while a window is open: once per window, first")
@@ -195,69 +193,45 @@ class WindowLoop:
         Args:
             output: what the microbatch handed over.
             replay: it replays a batch of a rank whose data ran out: it contributes nothing.
-            recount: counted ahead, each part's count of the batch the step received, which must agree with the
-                plan (a transfer hook may have changed it).
+            recount: counted ahead, each part's count of the batch the step received, which must agree with the plan
+                (a transfer hook may have changed it).
         """
         windows = self._open(None if replay else output.count)
         self._typical.microbatches += 1
         planned = [p.popleft() for p in self._planned] if self._planned and self._planned[0] else None
-        self._factor, self._graph, self._aux = 0.0, None, None
-        losses = self._losses(output)
-        if replay:
-            for window, loss in zip(windows, losses, strict=False):
-                if loss is not None and loss.grad_fn is not None:
-                    window.empty(loss)
-            self._graph = _total(losses) if self.parts else None
-            return
-        problem = self._problem(output, losses, planned is not None)
+        losses = [(output.parts or {}).get(name) for name in self.parts] if self.parts else [output.loss]
+        self._loss = (0.0, _total(losses) if self.parts else None, None)
+        problem = None if replay else _problem(output, losses, self.parts, planned is not None)
         counts = planned or ([output.count] if output.count is not None else [])
-        if planned is not None and problem is None:  # a count given beside the plan, or counted again, must agree
+        if planned is not None and problem is None and not replay:  # a count given, or counted again, must agree
             if output.count is not None:
                 windows[0].check(output.count, planned[0])
             for window, again, count in zip(windows, recount, planned, strict=False):
                 window.check(again, count, Problem.CHANGED)
-        if problem is None and len(counts) < len(windows):
-            problem = Problem.MISSING
-        if problem is not None:
-            windows[0].reject(problem)
+        if replay or problem is not None or len(counts) < len(windows):
+            if not replay:
+                windows[0].reject(problem or Problem.MISSING)
+            for window, loss in zip(windows, losses, strict=True):
+                if replay and loss is not None and loss.grad_fn is not None:
+                    window.empty(loss)
             return
         factors = [w.add(c, x, output.item_sum) for w, c, x in zip(windows, counts, losses, strict=True)]
         for window, factor, loss in zip(windows, factors, losses, strict=True):
             if isinstance(factor, float) and factor == 0 and loss is not None:
-                window.empty(loss)
-        if self.parts:  # a part counted 0 adds `0 · loss`: its graph runs, its NaN is caught by NAN_EMPTY
-            nothing = all(isinstance(f, float) and f == 0 for f in factors)
-            weighted = [x * f for x, f in zip(losses, factors, strict=True) if x is not None]
-            self._graph = _total(losses) if nothing else _total(weighted)
-            self._factor = 0.0 if nothing else 1.0
-        else:
-            self._factor = factors[0]
+                window.empty(loss)  # it backpropagates all the same; whether its loss is finite is checked
+        aux = None
         if output.aux:
             share = windows[0].aux_factor()
             if share is None:
                 windows[0].reject(Problem.AUX_AFTER)
             else:
-                self._aux = torch.stack(list(output.aux.values())).sum() * share
-
-    def _losses(self, output: Output) -> list[Tensor | None]:
+                aux = torch.stack(list(output.aux.values())).sum() * share
         if not self.parts:
-            return [output.loss]
-        given = output.parts or {}
-        return [given.get(name) for name in self.parts]
-
-    def _problem(self, output: Output, losses: list[Tensor | None], ahead: bool) -> Problem | None:
-        if output.problem is not None:
-            return output.problem
-        if (output.parts is not None or self.parts) and not ahead:
-            return Problem.PARTS_AFTER
-        names = set(output.parts) if output.parts is not None else None
-        if (names is not None or self.parts) and (names != set(self.parts) or output.count is not None):
-            return Problem.PARTS
-        if any(loss is None for loss in losses):
-            return Problem.NO_LOSS
-        if any(loss is not None and loss.grad_fn is None for loss in losses):
-            return Problem.NO_GRAPH
-        return None
+            self._loss = (factors[0], None, aux)
+        elif all(isinstance(f, float) and f == 0 for f in factors):
+            self._loss = (0.0, _total(losses), aux)  # nothing in any part: the engine's exact zero
+        else:  # a part counted 0 adds `0 · loss`: its graph runs, its own NaN is caught by NAN_EMPTY
+            self._loss = (1.0, _total([x * f for x, f in zip(losses, factors, strict=True) if x is not None]), aux)
 
     def _open(self, count: Count | None) -> list[Window]:
         """The window in progress (new ones, counted after, where none is)."""
@@ -269,8 +243,7 @@ class WindowLoop:
     def drop(self) -> None:
         """Forgets the window in progress, whose gradient Lightning drops as it ends the epoch before the next batch.
 
-        No exchange has started (it starts at a window's last backward); counted ahead, the next window is planned
-        anew.
+        No exchange has started (it starts at a window's last backward).
         """
         assert self._exchange is None
         self._windows, self._planned, self._backward = [], [], False
@@ -279,26 +252,21 @@ class WindowLoop:
     def backward_loss(self, loss: Tensor | None, multiplier: float = 1.0) -> Tensor:
         """The loss to backpropagate for the microbatch :meth:`add` took.
 
-        ``loss · factor · multiplier`` (with parts, each part times its own factor instead), plus the weighted
+        ``loss · factor · multiplier`` (with parts, their sum, each times its own factor), plus the weighted
         auxiliary terms. A microbatch that contributes nothing on the host (a count of 0, a replay) gives the
         engine's ``0 · loss``, whose backward runs through its own graph and adds nothing (:meth:`Engine.empty`).
         """
-        factor, self._backward = self._factor, True
-        graph = self._graph if self.parts else loss
+        factor, parts, aux = self._loss
+        self._backward = True
+        graph = parts if self.parts else loss
         if isinstance(factor, Tensor):  # a count on the device: never compared on the host
-            assert graph is not None
-            scaled = graph * (factor if multiplier == 1 else factor * multiplier)
-        elif factor == 0 and (graph is None or graph.grad_fn is None):
-            scaled = self.refused(graph)
+            scaled = graph * (factor if multiplier == 1 else factor * multiplier)  # type: ignore[operator]
         elif factor == 0:
-            scaled = self.engine.empty(graph)
-        elif self.parts:
-            assert graph is not None
-            scaled = graph
+            scaled = self.engine.empty(graph) if graph is not None and graph.grad_fn else self.refused(graph)
         else:
             assert graph is not None
-            scaled = graph if factor * multiplier == 1 else graph * (factor * multiplier)
-        return scaled if self._aux is None else scaled + self._aux
+            scaled = graph if self.parts or factor * multiplier == 1 else graph * (factor * multiplier)
+        return scaled if aux is None else scaled + aux
 
     def refused(self, loss: Tensor | None) -> Tensor:
         """A zero loss for a microbatch that cannot be weighted; raises where the engine needs the model's graph."""
@@ -312,7 +280,7 @@ class WindowLoop:
 
         Args:
             more: whether this rank holds real batches after the window.
-            next_items: counted ahead, this rank's items in each part's next window.
+            next_items: counted ahead, this rank's items of each part in the next window.
         """
         if self._exchange is None:
             self._exchange = Exchange(self._open(None), more, self.device, self.engine.group, next_items)
@@ -320,8 +288,8 @@ class WindowLoop:
     def finish(self, step: int, more: bool = True, next_items: Sequence[float] = ()) -> WindowResult:
         """Ends the window after its last backward: brings ``N`` to the gradients and decides, on every rank alike.
 
-        A window that ran no backward (a step that only recomputes statistics) leaves its gradients as they are.
-        ``more`` and ``next_items`` as for :meth:`end`, where the window ran no backward to start its exchange.
+        A window that ran no backward (a step that only recomputes statistics) leaves its gradients as they are;
+        ``more`` and ``next_items`` start its exchange as :meth:`end` would.
         """
         self.end(more, next_items)
         windows, exchange, backward = self._windows, self._exchange, self._backward
@@ -333,18 +301,31 @@ class WindowLoop:
             multiply_gradients(self.engine.parameters(), scale)
         summed = exchange.read(self.wording)
         results = [w.result(s, step) for w, s in zip(windows, summed, strict=True)]
-        result = results[0] if not self.parts else _combined(step, dict(zip(self.parts, results, strict=True)))
-        self.last_window = result
-        self.ranks_with_more = round(summed[0][Slot.MORE])
-        self.next_totals = [s[Slot.NEXT] for s in summed]
-        if any(s[Slot.NAN_EMPTY] for s in summed) and result.items > 0 and backward:
-            _check_nan_empty(self.engine, round(max(s[Slot.NAN_EMPTY] for s in summed)), self.device)
+        result = self.last_window = _combined(step, self.parts, results)
+        self.ranks_with_more, self.next_totals = round(summed[0][Slot.MORE]), [s[Slot.NEXT] for s in summed]
+        nan_empty = round(max(s[Slot.NAN_EMPTY] for s in summed))
+        if nan_empty and result.items > 0 and backward:
+            _check_nan_empty(self.engine, nan_empty, self.device)
         self._typical.after(result.items, self.ranks)
         if result.items == 0 and backward:
             for param in self.engine.parameters():
                 param.grad = None  # without gradients no torch optimizer touches a parameter or its state
             self.skipped_steps += 1
         return result
+
+
+def _problem(output: Output, losses: list[Tensor | None], parts: tuple[str, ...], ahead: bool) -> Problem | None:
+    """What keeps a microbatch's output from being weighted, if anything."""
+    if output.problem is not None:
+        return output.problem
+    if (output.parts is not None or parts) and not ahead:
+        return Problem.PARTS_AFTER
+    names = set(output.parts) if output.parts is not None else None
+    if (names is not None or parts) and (names != set(parts) or output.count is not None):
+        return Problem.PARTS
+    if any(loss is None for loss in losses):
+        return Problem.NO_LOSS
+    return Problem.NO_GRAPH if any(loss is not None and loss.grad_fn is None for loss in losses) else None
 
 
 class WeightedStrategy:
@@ -391,12 +372,14 @@ def _total(tensors: Iterable[Tensor | None]) -> Tensor | None:
     return torch.stack([t.reshape(()) for t in present]).sum() if present else None
 
 
-def _combined(step: int, parts: dict[str, WindowResult]) -> WindowResult:
-    """The result of a window of several parts: their items summed, the objective the sum of their means."""
-    means = [p.loss for p in parts.values() if p.items > 0]
-    items = sum(p.items for p in parts.values())
-    loss = sum(means) if means else float("nan")
-    return WindowResult(step, items, sum(p.local_items for p in parts.values()), loss, parts)
+def _combined(step: int, names: tuple[str, ...], results: list[WindowResult]) -> WindowResult:
+    """The result of a window: its one part's, or for several their items summed and the sum of their means."""
+    if not names:
+        return results[0]
+    means = [r.loss for r in results if r.items > 0]
+    parts = dict(zip(names, results, strict=True))
+    local = sum(r.local_items for r in results)
+    return WindowResult(step, sum(r.items for r in results), local, sum(means) if means else math.nan, parts)
 
 
 def summed_counts(counts: Sequence[Sequence[Count]], device: torch.device, group: dist.ProcessGroup | None) -> Tensor:

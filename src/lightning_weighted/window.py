@@ -262,16 +262,6 @@ class Slot(IntEnum):
 SUMMED = len(Slot) - 1
 
 
-class Summed:
-    """A window's payload after the SUM: what it tells the loop besides its :class:`WindowResult`."""
-
-    def __init__(self, values: Sequence[float]) -> None:
-        self.values = values
-
-    def __getitem__(self, slot: Slot) -> float:
-        return self.values[slot]
-
-
 class Window:
     """One rank's account of one accumulation window (of one loss part).
 
@@ -291,7 +281,7 @@ class Window:
         [6.0, 0.0, 0.0, 24.0, 0.0, 0.0, 6.0]
     """
 
-    __slots__ = ("_checks", "_device", "_tensors", "divisor", "items", "microbatches", "problem", "scale", "total")
+    __slots__ = ("_device", "_tensors", "divisor", "items", "microbatches", "problem", "scale", "total")
 
     def __init__(
         self, scale: float | Tensor = 1.0, total: float | Tensor | None = None, divisor: int = 1, microbatches: int = 1
@@ -300,8 +290,8 @@ class Window:
         self.items = 0.0  # Σ n of host counts
         self.problem: tuple[Problem, float] | None = None  # the first problem known on the host
         self._device: dict[Slot, Tensor] = {}  # fields summed on the device: Σ n·loss of host counts, NAN_EMPTY
-        self._tensors: list[tuple[Tensor, Tensor, Tensor | None, bool]] = []  # device counts: n, problem, loss, sum
-        self._checks: list[tuple[Tensor, Tensor]] = []  # device counts checked against the plan: n, problem
+        # counts on a device: n, its problem, the loss, whether an item sum; a count only checked has no loss slot
+        self._tensors: list[tuple[Tensor, Tensor, Tensor | None, bool | None]] = []
 
     @property
     def ahead(self) -> bool:
@@ -357,7 +347,7 @@ class Window:
         if isinstance(given.value, Tensor):
             assert isinstance(given.problem, Tensor)
             differs = (given.value != planned.value) & (given.problem == 0)
-            self._checks.append((given.value, torch.where(differs, float(problem), given.problem)))
+            self._tensors.append((given.value, torch.where(differs, float(problem), given.problem), None, None))
         elif given.value != planned.value:
             self.reject(problem, given.value)
 
@@ -426,13 +416,12 @@ class Window:
         """``[problem, value]`` of this rank's first problem (``[0, 0]``: none), on ``device``."""
         if self.problem is not None:
             return torch.tensor([float(self.problem[0]), self.problem[1]], dtype=torch.float64, device=device)
-        if not self._tensors and not self._checks:
+        if not self._tensors:
             return torch.zeros(2, dtype=torch.float64, device=device)
-        n, problems = self._stacked()
-        items = torch.where((problems == 0) & (n > 0), n, 0.0)[: len(self._tensors)].sum() + self.items
-        return torch.stack(_first_problem(n, problems, items)).to(device)
+        n, problems, counted = self._stacked()
+        return torch.stack(_first_problem(n, problems, counted.sum() + self.items)).to(device)
 
-    def result(self, summed: Summed, step: int) -> WindowResult:
+    def result(self, summed: Sequence[float], step: int) -> WindowResult:
         """The window's result from its summed payload."""
         items = summed[Slot.ITEMS]
         return WindowResult(step, items, summed[Slot.LOCAL], summed[Slot.LOSS] / items if items > 0 else math.nan)
@@ -440,38 +429,35 @@ class Window:
     def _device_fields(self) -> dict[Slot, Tensor]:
         """The payload's fields that live on a device, in one pass over the window's device counts."""
         fields = dict(self._device)
-        if not self._tensors and not self._checks:
-            return fields
-        every_n, every_problem = self._stacked()
-        items = self.items + torch.zeros_like(every_n[0])
-        if self.problem is None:
-            fields[Slot.INVALID] = (_first_problem(every_n, every_problem, items)[0] > 0).double()
         if not self._tensors:
             return fields
-        n, problems = every_n[: len(self._tensors)], every_problem[: len(self._tensors)]
-        valid = (problems == 0) & (n > 0)
-        counted = torch.where(valid, n, 0.0)
+        n, problems, counted = self._stacked()
         items = counted.sum()
+        if self.problem is None:
+            fields[Slot.INVALID] = (_first_problem(n, problems, items + self.items)[0] > 0).double()
+        kept = [k for k, (*_, item_sum) in enumerate(self._tensors) if item_sum is not None]
+        if not kept:
+            return fields  # checks only: the counts are the planned ones, on the host
         fields[Slot.ITEMS] = fields[Slot.LOCAL] = items
-        losses_given = [loss for _, _, loss, _ in self._tensors]
-        if any(loss is not None for loss in losses_given):
-            zero = n.new_zeros(())
-            losses = torch.stack([zero if x is None else x.sum() for x in losses_given]).double()
-            sums = torch.tensor([item_sum for *_, item_sum in self._tensors], device=n.device)
+        if any(self._tensors[k][2] is not None for k in kept):
+            zero, counted = n.new_zeros(()), counted[kept]
+            losses = torch.stack([zero if (x := self._tensors[k][2]) is None else x.sum() for k in kept]).double()
+            sums = torch.tensor([self._tensors[k][3] for k in kept], device=n.device)
+            valid = counted > 0
             weights = torch.where(sums, valid.double(), counted)
             loss = torch.where(valid, losses * weights, 0.0).sum()  # an inf loss of no count: 0
             fields[Slot.LOSS] = loss if Slot.LOSS not in fields else fields[Slot.LOSS] + loss
             nan_empty = (~torch.isfinite(torch.where(valid, 0.0, losses).sum())).double()
             held = fields.get(Slot.NAN_EMPTY)
             fields[Slot.NAN_EMPTY] = nan_empty if held is None else torch.maximum(held, nan_empty)
-        if self.problem is None:
-            fields[Slot.INVALID] = (_first_problem(every_n, every_problem, items + self.items)[0] > 0).double()
         return fields
 
-    def _stacked(self) -> tuple[Tensor, Tensor]:
-        """The device counts, then the checked ones, and each one's problem (0: valid), in the window's order."""
-        pairs = [(n, problem) for n, problem, *_ in self._tensors] + self._checks
-        return torch.stack([n for n, _ in pairs]), torch.stack([problem for _, problem in pairs])
+    def _stacked(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The device counts, each one's problem (0: valid), and what each adds to ``N`` (a check adds nothing)."""
+        n = torch.stack([t[0] for t in self._tensors])
+        problems = torch.stack([t[1] for t in self._tensors])
+        counts = torch.tensor([t[3] is not None for t in self._tensors], device=n.device)
+        return n, problems, torch.where((problems == 0) & (n > 0) & counts, n, 0.0)
 
 
 def _first_problem(n: Tensor, problems: Tensor, total: Tensor) -> tuple[Tensor, Tensor]:
