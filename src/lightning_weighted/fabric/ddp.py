@@ -21,23 +21,19 @@ __all__ = ["WeightedFabricDDPStrategy"]
 class WeightedFabricDDPStrategy(WeightedFabricStrategy, DDPStrategy):
     """Fabric's DDP, whose every window follows the gradient of the mean over every valid item of its microbatches.
 
-    Each microbatch goes through ``fabric.backward(loss, count=n)``; the microbatches inside
-    ``fabric.no_backward_sync(model)`` and the next backward outside it form one window, after which every rank holds
-    the gradient stated in :mod:`lightning_weighted.window`, so ``fabric.clip_gradients`` and ``optimizer.step()``
-    see it. The loop's contract, its rules and its errors are in ``docs/fabric.md``.
+    ``fabric.backward(loss, count=n)`` for each microbatch; the loop's contract, rules and errors: ``docs/fabric.md``.
 
     Args:
         *args: :class:`~lightning.fabric.strategies.DDPStrategy`'s arguments.
-        participation: ``"pad"`` lets a rank whose data ran out step with count 0 until every rank is done;
-            ``"strict"`` raises instead (see :mod:`lightning_weighted.loaders.epoch`).
+        participation: ``"pad"``: a rank whose data ran out steps with count 0 until every rank is done; ``"strict"``
+            raises instead.
         **kwargs: :class:`~lightning.fabric.strategies.DDPStrategy`'s keyword arguments.
 
     Example::
 
         >>> import lightning_weighted
         >>> from lightning.fabric import Fabric
-        >>> fabric = Fabric(strategy="ddp_weighted", accelerator="cpu", devices=1)
-        >>> type(fabric.strategy).__name__
+        >>> type(Fabric(strategy="ddp_weighted", accelerator="cpu", devices=1).strategy).__name__
         'WeightedFabricDDPStrategy'
     """
 

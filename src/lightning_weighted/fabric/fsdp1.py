@@ -19,15 +19,12 @@ __all__ = ["WeightedFabricFSDPStrategy"]
 
 
 class WeightedFabricFSDPStrategy(WeightedFabricStrategy, FSDPStrategy):
-    """Fabric's FSDP1 (``FSDPStrategy``), whose every window follows the gradient of the global item mean.
+    """Fabric's FSDP1 (``FSDPStrategy``, LitGPT's), whose every window follows the gradient of the global item mean.
 
-    The loop is :class:`~lightning_weighted.WeightedFabricDDPStrategy`'s; the communication hook SUM-reduce-scatters
-    once per window, as FSDP1 reduces outside ``fabric.no_backward_sync`` (see :mod:`lightning_weighted.engines.fsdp1`).
-    It runs on the CPU too, where FSDP1 is wrapped with ``device_id=torch.device("cpu")``.
+    Its hook SUM-reduce-scatters once per window, outside ``fabric.no_backward_sync``; it runs on the CPU too.
 
     Args:
-        *args: ``FSDPStrategy``'s arguments. ``sharding_strategy`` must shard: ``"FULL_SHARD"`` (default) or
-            ``"SHARD_GRAD_OP"``.
+        *args: ``FSDPStrategy``'s arguments; ``sharding_strategy`` ``"FULL_SHARD"`` (default) or ``"SHARD_GRAD_OP"``.
         participation: as for :class:`~lightning_weighted.WeightedFabricDDPStrategy`.
         **kwargs: ``FSDPStrategy``'s keyword arguments.
 
@@ -35,8 +32,7 @@ class WeightedFabricFSDPStrategy(WeightedFabricStrategy, FSDPStrategy):
 
         >>> import lightning_weighted
         >>> from lightning.fabric import Fabric
-        >>> fabric = Fabric(strategy="fsdp_weighted", accelerator="cpu", devices=1)
-        >>> type(fabric.strategy).__name__
+        >>> type(Fabric(strategy="fsdp_weighted", accelerator="cpu", devices=1).strategy).__name__
         'WeightedFabricFSDPStrategy'
     """
 

@@ -22,15 +22,12 @@ __all__ = ["WeightedFabricModelParallelStrategy"]
 class WeightedFabricModelParallelStrategy(WeightedFabricStrategy, ModelParallelStrategy):
     """Fabric's FSDP2 (``ModelParallelStrategy``), whose every window follows the gradient of the global item mean.
 
-    The loop is :class:`~lightning_weighted.WeightedFabricDDPStrategy`'s. Set the model up before creating its
-    optimizer (``model = fabric.setup_module(model)``, then ``fabric.setup_optimizers(...)``). Every FSDP module
-    SUM-reduces on every microbatch, also inside ``no_backward_sync``, which here only marks the window (see
-    :mod:`lightning_weighted.engines.fsdp2`).
+    Set the model up before its optimizer (``fabric.setup_module``, then ``fabric.setup_optimizers``). Every FSDP
+    module SUM-reduces on every microbatch; ``no_backward_sync`` only marks the window.
 
     Args:
-        *args: ``ModelParallelStrategy``'s arguments; ``parallelize_fn`` (``fn(module, device_mesh) -> module``)
-            defaults to :func:`~lightning_weighted.shard_blocks`. ``data_parallel_size`` defaults to the world size
-            divided by ``tensor_parallel_size``.
+        *args: ``ModelParallelStrategy``'s arguments; ``parallelize_fn`` defaults to
+            :func:`~lightning_weighted.shard_blocks`.
         participation: as for :class:`~lightning_weighted.WeightedFabricDDPStrategy`.
         **kwargs: ``ModelParallelStrategy``'s keyword arguments.
 
@@ -38,8 +35,7 @@ class WeightedFabricModelParallelStrategy(WeightedFabricStrategy, ModelParallelS
 
         >>> import lightning_weighted
         >>> from lightning.fabric import Fabric
-        >>> fabric = Fabric(strategy="fsdp2_weighted", accelerator="cpu", devices=1)
-        >>> type(fabric.strategy).__name__
+        >>> type(Fabric(strategy="fsdp2_weighted", accelerator="cpu", devices=1).strategy).__name__
         'WeightedFabricModelParallelStrategy'
     """
 

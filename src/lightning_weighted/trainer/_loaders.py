@@ -16,6 +16,8 @@ from lightning_weighted.window import Count
 
 __all__ = ["FitLoaders"]
 
+_KEY = "lightning_weighted"  # each rank's place in its train epoch, in a checkpoint
+
 
 class FitLoaders:
     """What the strategy does to each loader Lightning builds (train, val, test), and undoes when the fit ends.
@@ -176,18 +178,28 @@ class FitLoaders:
         if self._next is not None and self._next[1]:
             self._next = (*self._next[:2], totals)
 
-    def state(self, trained: int, last: bool) -> dict[str, Any] | None:
-        """This rank's place in the train epoch, for a checkpoint taken once ``trained`` batches trained."""
-        if self.stage is None:
-            return None
-        return {**self.stage.state(trained), "last": last}
+    def save(self, checkpoint: dict[str, Any], progress: tuple[int, bool] | None) -> None:
+        """Puts every rank's place in the train epoch into ``checkpoint`` (one collective, every rank calls it).
 
-    def resume(self, ranks: list[dict[str, Any] | None]) -> None:
+        ``progress``: how many batches of the epoch trained, and whether the last one did (``None``: no fit).
+        """
+        mine = (
+            None if self.stage is None or progress is None else {**self.stage.state(progress[0]), "last": progress[1]}
+        )
+        ranks: list[Any] = [mine]
+        if dist.is_initialized():
+            ranks = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, mine)
+        if any(rank is not None for rank in ranks):
+            checkpoint[_KEY] = {"ranks": ranks}
+
+    def load(self, checkpoint: dict[str, Any]) -> None:
         """Takes every rank's place from a checkpoint; the train loader set up next starts where this rank's stopped.
 
         Raises:
             ValueError: the checkpoint was taken mid-epoch on another number of ranks.
         """
+        ranks = checkpoint.pop(_KEY, {"ranks": []})["ranks"]
         world = dist.get_world_size() if dist.is_initialized() else 1
         middle = [r for r in ranks if r is not None and not r["last"] and r["position"] > 0]
         if not middle:

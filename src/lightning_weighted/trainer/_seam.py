@@ -119,13 +119,14 @@ class Seam:
         self.loaders, self.begin_train = loaders, begin_train
         self.batch = BatchState()
         self.loop: WindowLoop | None = None
+        self.module: LightningModule | None = None
         self.evaluation: EvaluationLoss | None = None
         self.weight: float | None = None
         self._touches = contextlib.ExitStack()
 
     def enter(self, trainer: Trainer, module: LightningModule, loop: WindowLoop, evaluation: EvaluationLoss) -> None:
         """Makes the fit's touches: each undone by :meth:`close`, also where a later one fails."""
-        self.loop, self.evaluation = loop, evaluation
+        self.loop, self.module, self.evaluation = loop, module, evaluation
         self._touches.enter_context(_silenced(_SAMPLER_WARNING, PossibleUserWarning))
         self._touches.enter_context(
             patched(
@@ -164,6 +165,15 @@ class Seam:
             self.weight = None
             for metric, state in zip(metrics, saved, strict=True):
                 metric_restore(metric, state)
+
+    def evaluation_step(self, step: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        """An evaluation step of the batch in progress, its loss added to the epoch's (a replay's left out)."""
+        assert self.module is not None and self.evaluation is not None
+        with self.step(self.module):
+            output = step(*args, **kwargs)
+        if not self.batch.replay and args:
+            self.evaluation.add(output, args[0], self.batch.loader)
+        return output
 
     def reduce(self, tensor: Tensor, reduce_op: Any, group: Any, fallback: Callable[..., Any]) -> Any:
         """A mean or sum over the ranks that held a real batch, where :attr:`weight` is set; else ``fallback``.

@@ -7,7 +7,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
@@ -80,29 +79,16 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        module = trainer.lightning_module
-        if not module.automatic_optimization:
-            raise MisconfigurationException(_MANUAL.format(type(module).__name__, self.strategy_name))
-        counter = next((c for c in trainer.callbacks if isinstance(c, ItemCounter)), None)  # type: ignore[attr-defined]
-        self._fetches_itself = is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True)
-        if counter is not None and self._fetches_itself:
-            raise ValueError(_ITERATOR.format(type(module).__name__))
-        if self._fetches_itself and accumulates(trainer):
-            raise ValueError(_ITERATOR_ACCUMULATES.format(type(module).__name__))
-        self._counter, self._loaders.device, self._loaders.fit_loop = counter, self.root_device, trainer.fit_loop
+        counter, self._fetches_itself, wording = _rules(trainer, self.strategy_name)
+        self._counter, self._checks_batch = counter, bool(wording.hooks)
+        self._loaders.device, self._loaders.fit_loop = self.root_device, trainer.fit_loop
         self._loaders.count = None if counter is None else (lambda batch: counter.counts(batch, host=True))
-        owners = (module, getattr(trainer, "datamodule", None))
-        hooks = [h for h in _TRANSFER_HOOKS for m in owners if m is not None and is_overridden(h, m)]
-        self._checks_batch = bool(hooks)  # the batch may change between the loader and the step
-        named = " and ".join(f"`{h}`" for h in dict.fromkeys(hooks))
-        wording = Wording(TRAINER.source, TRAINER.fix, named, self.strategy_name)
         super().setup(trainer)
         engine = self._make_engine()
         parts = counter.names if counter is not None else ()
         self._loop = WindowLoop(engine, self.root_device, wording, parts)
-        self._seam.enter(
-            trainer, module, self._loop, EvaluationLoss(self.root_device, engine.group, self.counts_of, parts)
-        )
+        evaluation = EvaluationLoss(self.root_device, engine.group, self.counts_of, parts)
+        self._seam.enter(trainer, trainer.lightning_module, self._loop, evaluation)
 
     @override
     def teardown(self) -> None:
@@ -123,11 +109,7 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
         super().on_train_start()
         self._ahead = self._loaders.counts_ahead(self._trainer().train_dataloader)
         if self._counter is not None and self._counter.names and not self._ahead:
-            raise ValueError(
-                f"ItemCounter counts the loss parts {list(self._counter.names)}, each averaged over its own count,"
-                " which must be known before the window's backward; but the train batches combine several"
-                " dataloaders and cannot be counted ahead. Keep one train dataloader, or one loss part."
-            )
+            raise ValueError(_PARTS_AFTER.format(list(self._counter.names)))
 
     def _begin_train(self, batch_idx: int) -> None:
         """Begins a train batch, before the callbacks' and the module's hooks: its replay, and its window's plan."""
@@ -180,11 +162,11 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self._evaluation_step(super().validation_step, args, kwargs)  # type: ignore[no-any-return]
+        return self._seam.evaluation_step(super().validation_step, args, kwargs)  # type: ignore[no-any-return]
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self._evaluation_step(super().test_step, args, kwargs)  # type: ignore[no-any-return]
+        return self._seam.evaluation_step(super().test_step, args, kwargs)  # type: ignore[no-any-return]
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -243,32 +225,15 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         # Lightning keeps rank 0's loader state alone; each rank's place in its own shard is kept beside it.
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        mine = self._loaders.state(*train_progress(trainer)) if trainer is not None else None
-        ranks: list[Any] = [mine]
-        if dist.is_initialized():
-            ranks = [None] * dist.get_world_size()
-            dist.all_gather_object(ranks, mine)
-        if any(rank is not None for rank in ranks):
-            checkpoint[_KEY] = {"ranks": ranks}
+        module = self.lightning_module
+        self._loaders.save(checkpoint, train_progress(module.trainer) if module is not None else None)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint: dict[str, Any] = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        places = checkpoint.pop(_KEY, None)
-        if places is not None:
-            self._loaders.resume(places["ranks"])
+        self._loaders.load(checkpoint)
         return checkpoint
-
-    def _evaluation_step(self, step: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        module, evaluation, state = self.lightning_module, self._seam.evaluation, self._seam.batch
-        assert module is not None and evaluation is not None
-        with self._seam.step(module):
-            output = step(*args, **kwargs)
-        if not state.replay and args:
-            evaluation.add(output, args[0], state.loader)
-        return output
 
     def _trainer(self) -> Trainer:
         assert self.lightning_module is not None
@@ -277,6 +242,25 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
     def _require_loop(self) -> WindowLoop:
         assert self._loop is not None, "the loop of windows is made at setup"
         return self._loop
+
+
+def _rules(trainer: Trainer, name: str) -> tuple[ItemCounter | None, bool, Wording]:
+    """The fit's ``ItemCounter``, whether ``training_step`` fetches its own batches, and how errors name the fit.
+
+    Refuses what cannot be weighted, on every rank alike.
+    """
+    module = trainer.lightning_module
+    if not module.automatic_optimization:
+        raise MisconfigurationException(_MANUAL.format(type(module).__name__, name))
+    counter = next((c for c in trainer.callbacks if isinstance(c, ItemCounter)), None)  # type: ignore[attr-defined]
+    fetches_itself = is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True)
+    if counter is not None and fetches_itself:
+        raise ValueError(_ITERATOR.format(type(module).__name__))
+    if fetches_itself and accumulates(trainer):
+        raise ValueError(_ITERATOR_ACCUMULATES.format(type(module).__name__))
+    owners = (module, getattr(trainer, "datamodule", None))  # hooks that may change a batch on its way to the step
+    hooks = dict.fromkeys(h for h in _TRANSFER_HOOKS for m in owners if m is not None and is_overridden(h, m))
+    return counter, fetches_itself, Wording(TRAINER.source, TRAINER.fix, " and ".join(f"`{h}`" for h in hooks), name)
 
 
 def _with_count(step: Output, counts: list[Count]) -> Output:
@@ -295,7 +279,11 @@ def _window_size(trainer: Trainer, batch_idx: int) -> int:
     return int(max(0, min(accumulate - batch_idx % accumulate, trainer.num_training_batches - batch_idx)))
 
 
-_KEY = "lightning_weighted"
+_PARTS_AFTER = (
+    "ItemCounter counts the loss parts {}, each averaged over its own count, which must be known before the window's"
+    " backward; but the train batches combine several dataloaders and cannot be counted ahead. Keep one train"
+    " dataloader, or one loss part."
+)
 _SKIPPED = "the optimizer and step-interval LR schedulers were not stepped."
 _MANUAL = (
     "{} uses manual optimization (`automatic_optimization=False`), which {} does not weight. Use automatic"

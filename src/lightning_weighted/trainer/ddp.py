@@ -21,25 +21,22 @@ __all__ = ["WeightedDDPStrategy"]
 
 
 class WeightedDDPStrategy(WeightedTrainerStrategy, DDPStrategy):
-    """DDP whose every optimizer step follows the gradient of the mean over every valid item of all its microbatches.
+    """DDP whose every optimizer step follows the gradient of the mean over every valid item of its window.
 
-    ``training_step`` returns its loss as under ``"ddp"`` (counted by an :class:`~lightning_weighted.ItemCounter`, or
-    by the batch size), or ``{"loss": local_mean, "count": n}``; the contract, the rules for empty microbatches and
-    windows, and the errors are in ``docs/how_it_works.md``, the objective in :mod:`lightning_weighted.window`. A
-    communication hook of your own (``ddp_comm_hook``) must average over the ranks, as torch's do.
+    The contract of ``training_step``, the rules and the errors: ``docs/how_it_works.md``.
 
     Args:
-        *args: :class:`~lightning.pytorch.strategies.DDPStrategy`'s arguments.
-        participation: ``"pad"`` lets a rank whose data ran out step with count 0 until every rank is done;
-            ``"strict"`` raises instead (see :mod:`lightning_weighted.loaders.epoch`).
+        *args: :class:`~lightning.pytorch.strategies.DDPStrategy`'s arguments (a ``ddp_comm_hook`` of yours must
+            average over the ranks, as torch's do).
+        participation: ``"pad"``: a rank whose data ran out steps with count 0 until every rank is done; ``"strict"``
+            raises instead.
         **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy`'s keyword arguments.
 
     Example::
 
         >>> import lightning_weighted
         >>> from lightning.pytorch import Trainer
-        >>> trainer = Trainer(strategy="ddp_weighted", accelerator="cpu", devices=1, logger=False)
-        >>> type(trainer.strategy).__name__
+        >>> type(Trainer(strategy="ddp_weighted", accelerator="cpu", devices=1, logger=False).strategy).__name__
         'WeightedDDPStrategy'
     """
 

@@ -44,26 +44,22 @@ def _full_state_dict_in_place(module: Module) -> contextlib.AbstractContextManag
 class WeightedFSDPStrategy(WeightedTrainerStrategy, FSDPStrategy):
     """FSDP1 whose every optimizer step follows the gradient of the global item mean, on the CPU too.
 
-    Takes ``FSDPStrategy``'s arguments and runs on the CPU, where Lightning refuses its own ``FSDPStrategy``: FSDP1 is
-    wrapped there with ``device_id=torch.device("cpu")``, and full state dicts are not "offloaded" to the CPU they
-    are on already. ``training_step`` follows :class:`~lightning_weighted.WeightedDDPStrategy`'s contract; the
-    communication hook SUM-reduce-scatters once per window (see :mod:`lightning_weighted.engines.fsdp1`).
+    On the CPU, where Lightning refuses its own ``FSDPStrategy``, FSDP1 is wrapped with ``device_id=cpu`` and full
+    state dicts are not "offloaded" to the CPU they are on. Its hook SUM-reduce-scatters once per window
+    (:mod:`lightning_weighted.engines.fsdp1`). Float16 is refused.
 
     Args:
-        *args: ``FSDPStrategy``'s arguments. ``sharding_strategy`` must shard: ``"FULL_SHARD"`` (default) or
-            ``"SHARD_GRAD_OP"`` (FSDP1 takes no communication hook for the hybrid ones; ``"NO_SHARD"`` is
-            ``"ddp_weighted"``). Float16 computation or reduction is refused: item sums overflow it.
+        *args: ``FSDPStrategy``'s arguments; ``sharding_strategy`` ``"FULL_SHARD"`` (default) or ``"SHARD_GRAD_OP"``.
         participation: as for :class:`~lightning_weighted.WeightedDDPStrategy`.
-        sync_every_microbatch: reduce-scatter every microbatch's gradient (as FSDP2 does) instead of once per
-            window: no unsharded gradient is held between microbatches, at ``A`` reduce-scatters per step.
+        sync_every_microbatch: reduce-scatter every microbatch (as FSDP2 does): no unsharded gradient held between
+            microbatches, at ``A`` reduce-scatters per step instead of one.
         **kwargs: ``FSDPStrategy``'s keyword arguments.
 
     Example::
 
         >>> import lightning_weighted
         >>> from lightning.pytorch import Trainer
-        >>> trainer = Trainer(strategy="fsdp_weighted", accelerator="cpu", devices=1, logger=False)
-        >>> type(trainer.strategy).__name__
+        >>> type(Trainer(strategy="fsdp_weighted", accelerator="cpu", devices=1, logger=False).strategy).__name__
         'WeightedFSDPStrategy'
     """
 

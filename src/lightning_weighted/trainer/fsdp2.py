@@ -22,14 +22,11 @@ __all__ = ["WeightedModelParallelStrategy"]
 class WeightedModelParallelStrategy(WeightedTrainerStrategy, ModelParallelStrategy):
     """FSDP2 (and tensor parallelism) whose every optimizer step follows the gradient of the global item mean.
 
-    The module applies ``fully_shard`` in ``configure_model`` over ``self.device_mesh["data_parallel"]`` (tensor
-    parallelism over ``self.device_mesh["tensor_parallel"]``), as for Lightning's ``ModelParallelStrategy``;
-    ``training_step`` follows :class:`~lightning_weighted.WeightedDDPStrategy`'s contract. Every FSDP module
-    SUM-reduces on each microbatch (see :mod:`lightning_weighted.engines.fsdp2`). Float16 computation or reduction is
-    refused: item sums overflow it.
+    The module applies ``fully_shard`` in ``configure_model`` as for Lightning's ``ModelParallelStrategy``; every FSDP
+    module SUM-reduces on each microbatch (:mod:`lightning_weighted.engines.fsdp2`). Float16 is refused.
 
     Args:
-        *args: ``ModelParallelStrategy``'s arguments. ``data_parallel_size`` defaults to the world size divided by
+        *args: ``ModelParallelStrategy``'s arguments; ``data_parallel_size`` defaults to the world size divided by
             ``tensor_parallel_size``, and that to 1.
         participation: as for :class:`~lightning_weighted.WeightedDDPStrategy`.
         **kwargs: ``ModelParallelStrategy``'s keyword arguments.
@@ -38,8 +35,7 @@ class WeightedModelParallelStrategy(WeightedTrainerStrategy, ModelParallelStrate
 
         >>> import lightning_weighted
         >>> from lightning.pytorch import Trainer
-        >>> trainer = Trainer(strategy="fsdp2_weighted", accelerator="cpu", devices=1, logger=False)
-        >>> type(trainer.strategy).__name__
+        >>> type(Trainer(strategy="fsdp2_weighted", accelerator="cpu", devices=1, logger=False).strategy).__name__
         'WeightedModelParallelStrategy'
     """
 
