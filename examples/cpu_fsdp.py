@@ -14,6 +14,7 @@ import contextlib
 from typing import Any
 
 import torch
+from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import Tensor
@@ -70,6 +71,25 @@ class CPUFSDPStrategy(FSDPStrategy):
         _move_torchmetrics_to_device(wrapped, self.root_device)
         _setup_activation_checkpointing(wrapped, self._activation_checkpointing_kwargs)
         return wrapped
+
+
+class CPUFabricFSDPStrategy(FabricFSDPStrategy):
+    """Fabric's ``FSDPStrategy``, also on the CPU (gloo): the plain control of Fabric's ``"fsdp_weighted"``."""
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if self.root_device.type != "cpu" or any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+            return super().setup_module(module)
+        return FullyShardedDataParallel(
+            module=module,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=torch.device("cpu"),  # Fabric passes the device index, which is None on the CPU
+            **self._fsdp_kwargs,
+        )
 
 
 def _full_state_dict_in_place(module: Module) -> contextlib.AbstractContextManager[Any]:

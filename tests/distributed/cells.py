@@ -17,15 +17,13 @@ from sharded import ShardedConfig, fit_sharded
 
 WEIGHTED = {"ddp": "ddp_weighted", "fsdp2": "fsdp2_weighted", "fsdp1": "fsdp_weighted"}
 PLAIN = {"ddp": "ddp", "fsdp2": "fsdp2", "fsdp1": "fsdp"}  # FSDP1: Lightning's FSDPStrategy, enabled on the CPU
-# (front end, engine, count path); Fabric has no FSDP1
-CELLS = [
-    (front, engine, path)
-    for front in ("trainer", "fabric")
-    for engine in WEIGHTED
-    for path in ("after", "ahead")
-    if not (front == "fabric" and engine == "fsdp1")
-]
+# (front end, engine, count path)
+CELLS = [(front, engine, path) for front in ("trainer", "fabric") for engine in WEIGHTED for path in ("after", "ahead")]
 EVERY_CELL = pytest.mark.parametrize(("front", "engine", "path"), [pytest.param(*c, id="-".join(c)) for c in CELLS])
+# loss parts are counted ahead: engine × front end
+EVERY_PARTS_CELL = pytest.mark.parametrize(
+    ("front", "engine"), [pytest.param(f, e, id=f"{f}-{e}") for f in ("trainer", "fabric") for e in WEIGHTED]
+)
 # 2 ranks holding uneven token-masked microbatches (rank 1's several times rank 0's tokens), 7 each per epoch
 SCENARIO: dict[str, Any] = {"batches": 7, "epochs": 2, "mode": "tokens"}
 

@@ -8,6 +8,7 @@ window size instead of passing its count.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 from lightning.fabric import Fabric
+from cpu_fsdp import CPUFabricFSDPStrategy
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 from reads import ReadSpy, to_device
 from scenario import (
@@ -31,6 +33,8 @@ from scenario import (
     make_model,
     make_optimizer,
     masked_mean,
+    part_masks,
+    part_means,
     train_loader,
 )
 from worker import Recorder, grad_norm, local, rank_arguments, whole
@@ -62,6 +66,10 @@ def make_strategy(config: FabricConfig) -> Any:
         return ModelParallelStrategy(
             shard_blocks, data_parallel_size=config.world_size, tensor_parallel_size=1, **kwargs
         )
+    if config.strategy.startswith("fsdp"):  # FSDP1: the whole model one unit
+        if weighted(config):
+            return lightning_weighted.WeightedFabricFSDPStrategy(participation=config.participation, **kwargs)
+        return CPUFabricFSDPStrategy(**kwargs)
     if weighted(config):
         if config.participation != "pad":
             kwargs["participation"] = config.participation
@@ -109,7 +117,8 @@ def main() -> None:
         if config.evaluate:
             with torch.no_grad():
                 record["evaluation"] = [(float(model(x).sum()), strategy.padding_step) for x, _, _ in loader]
-        record["params"] = [whole(p) for p in model.parameters()]
+        with summoned(model):
+            record["params"] = [whole(p) for p in model.parameters()]
         record["items_total"] = None if metrics is None else metrics.items_total
     except Exception as error:
         record["error"] = f"{type(error).__name__}: {error}"
@@ -120,6 +129,16 @@ def main() -> None:
         spy.uninstall()
         record["reads"] = record.pop("spy").reads
         torch.save(record, f"{args.out}.rank{rank}")
+
+
+def summoned(model: Any, grads: bool = False) -> Any:
+    """FSDP1's parameters (and gradients) made whole for the block; any other model's as they are."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    root = getattr(model, "_forward_module", model)
+    if isinstance(root, FullyShardedDataParallel):
+        return FullyShardedDataParallel.summon_full_params(root, writeback=False, with_grads=grads)
+    return contextlib.nullcontext()
 
 
 def fetched(strategy: Any, loader: Any) -> Iterator[tuple[int, Batch, bool]]:
@@ -135,7 +154,11 @@ def counted_ahead(config: Config, strategy: Any, loader: Any) -> Iterator[tuple[
         if item is not None:
             held.append(item)
         if held and (item is None or len(held) == config.accumulate):
-            strategy.count_ahead([count_of(config, b[2]) for _, b, _ in held], integer=config.mode != "weights")
+            if config.parts:  # each part's counts, by name
+                masks = [part_masks(b[0], b[2]) for _, b, _ in held]
+                strategy.count_ahead({name: [m[name].sum() for m in masks] for name in masks[0]})
+            else:
+                strategy.count_ahead([count_of(config, b[2]) for _, b, _ in held], integer=config.mode != "weights")
             yield from held
             held = []
 
@@ -191,6 +214,8 @@ def train_epoch(
                 reduction = "avg" if misuse == "reduction" else "sum" if config.item_sum else "mean"
                 if config.ahead:
                     keywords.pop("count", None)  # handed over ahead
+                if config.parts:
+                    keywords["parts"] = part_means(model, x, y, w)
                 if config.aux == "parts":
                     keywords["aux"] = aux_terms(model.module, x)  # the module Fabric set up, its layers called
                     for name, term in keywords["aux"].items():  # a replay of an exhausted rank adds nothing
@@ -208,7 +233,8 @@ def train_epoch(
         window = getattr(strategy, "last_window", None)
         if window is not None:
             record["windows"].append((window.step, window.items, window.local_items))
-        grads = [whole(p.grad) for p in model.parameters() if p.grad is not None]
+        with summoned(model, grads=True):
+            grads = [whole(p.grad) for p in model.parameters() if p.grad is not None]
         step: dict[str, Any] = {"norm": grad_norm(grads), "collectives": len(record["collectives"])}
         if config.clip is not None:
             if config.clip_algorithm == "value":
@@ -222,7 +248,8 @@ def train_epoch(
             metrics.update(strategy.last_window, elapsed=elapsed, aux=aux, microbatches=microbatches)
             record["metrics"].append({k: float(v) for k, v in metrics.compute().items()})
         started, aux, microbatches = None, {}, 0
-        step["params"] = [whole(p) for p in model.parameters()]
+        with summoned(model):
+            step["params"] = [whole(p) for p in model.parameters()]
         step["local_params"] = [local(p.detach()) for p in model.parameters()]
         step["state"] = {  # this rank's shard of it, under FSDP2
             k: {n: local(t) for n, t in v.items()} for k, v in optimizer.optimizer.state_dict()["state"].items()

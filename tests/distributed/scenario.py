@@ -79,6 +79,8 @@ class Config:
     aux: str | None = None  # auxiliary terms: "parts" returns them in "aux", "inside" adds them into "loss"
     tied: bool = False  # a model whose first and second layers share their weight
     end_epoch_at: Sequence[int] | None = None  # (epoch, batch_idx) where on_train_batch_start returns -1 (every rank)
+    parts: bool = False  # two loss parts, each the mean over its own items (see `part_masks`), counted ahead
+    part_empty: Sequence[tuple[int, int]] = ()  # (rank, batch) pairs whose "positive" part holds no item
 
 
 def make_model(seed: int, tied: bool = False) -> nn.Module:
@@ -120,8 +122,22 @@ def make_batches(config: Config, rank: int, epoch: int) -> list[Batch]:
         window = k // config.accumulate
         if [rank, k] in [list(pair) for pair in config.masked] or window in config.empty_windows:
             w = torch.zeros(size)
+        if [rank, k] in [list(pair) for pair in config.part_empty]:
+            x[:, 0] = -x[:, 0].abs() - 0.1  # no item of the "positive" part
         batches.append((x, y, w))
     return batches
+
+
+def part_masks(x: Tensor, w: Tensor) -> dict[str, Tensor]:
+    """The items of each loss part: "tokens", the token mask; "positive", the tokens whose first feature is > 0."""
+    return {"tokens": w, "positive": w * (x[:, 0] > 0)}
+
+
+def part_means(model: nn.Module, x: Tensor, y: Tensor, w: Tensor) -> dict[str, Tensor]:
+    """Each part's mean over its own items (finite where it has none: a part counted 0 still runs its backward)."""
+    masks, predictions = part_masks(x, w), model(x).squeeze(-1)
+    losses = {"tokens": 0.5 * (predictions - y) ** 2, "positive": 0.3 * predictions**2}
+    return {name: (losses[name] * mask).sum() / mask.sum().clamp(min=1) for name, mask in masks.items()}
 
 
 def shared_dataset(config: Config) -> torch.utils.data.TensorDataset:
@@ -207,6 +223,9 @@ class WeightedModule(LightningModule):
             mean = mean.reshape(self.config.loss_shape)
         if self.config.aux == "inside":  # the control: weighted by the microbatch's items, as the loss is
             mean = mean + sum(aux_terms(self.model, x).values())
+        if self.config.parts:
+            parts = part_means(self.model, x, y, w)
+            return {"loss": sum(parts.values()), "parts": parts}
         if self.config.aux == "parts":
             output: dict[str, Any] = {"loss": mean, "aux": aux_terms(self.model, x)}
             return output if self.config.bare_loss else {**output, "count": count}
@@ -374,10 +393,16 @@ def reference(config: Config) -> dict[str, Any]:
             x = torch.cat([b[0] for b in held]).double()
             y = torch.cat([b[1] for b in held]).double()
             w = torch.cat([b[2] for b in held]).double()
-            if w.sum() == 0:
+            masks = part_masks(x, w) if config.parts else {"": w}
+            if all(mask.sum() == 0 for mask in masks.values()):
                 continue  # a window without items changes nothing
             optimizer.zero_grad()
-            loss = (item_losses(model, x, y) * w).sum() / w.sum()
+            if config.parts:  # each part the mean over its own items of the window, every rank and microbatch
+                totals = {name: mask.sum() for name, mask in masks.items()}
+                means = part_means(model, x, y, w)
+                loss = sum(means[name] * masks[name].sum().clamp(min=1) / n for name, n in totals.items() if n > 0)
+            else:
+                loss = (item_losses(model, x, y) * w).sum() / w.sum()
             if config.aux is not None:  # averaged over the window's microbatches and ranks, as plain DDP averages
                 shares = config.world_size * len(window)
                 parts = [aux_terms(model, b[0].double()) for b in held]
@@ -385,8 +410,12 @@ def reference(config: Config) -> dict[str, Any]:
                 aux_means.append({name: float(sum(p[name].detach() for p in parts)) / shares for name in parts[0]})
             loss.backward()
             losses.append(loss.item())
-            items.append(float(w.sum()))
-            local_items.append([sum(float(b[k][2].sum()) for k in window if k < len(b)) for b in per_rank])
+            items.append(float(sum(mask.sum() for mask in masks.values())))
+            local_items.append([
+                sum(float(sum(m.sum() for m in (part_masks(b[k][0], b[k][2]) if config.parts else {"": b[k][2]}).values()))
+                    for k in window if k < len(b))
+                for b in per_rank
+            ])  # fmt: skip
             norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
             norms.append(float(norm))
             if config.clip is not None and config.clip_algorithm == "value":

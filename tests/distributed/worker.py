@@ -25,7 +25,7 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelChec
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 from reads import ReadSpy
-from scenario import Config, WeightedModule
+from scenario import Config, WeightedModule, part_masks
 from torch import Tensor
 
 import lightning_weighted
@@ -222,6 +222,9 @@ def device_kwargs(device: str, world_size: int) -> dict[str, Any]:
 
 
 def make_counter(config: Config) -> Callback:
+    if config.parts:  # each part counted ahead on the batch: (x, y, w)
+        parts = {n: (lambda batch, n=n: part_masks(batch[0], batch[2])[n].sum()) for n in ("tokens", "positive")}
+        return lightning_weighted.ItemCounter(parts={n: lightning_weighted.ItemCounter(f) for n, f in parts.items()})
     if config.counter == "bad":
         calls = []
 
