@@ -40,6 +40,24 @@ def test_the_readme_and_docs_hold_the_runnable_trainer_and_fabric_examples():
     assert any("Fabric(" in code and "optimizer.step()" in code for code in codes)  # a Fabric loop that steps
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="docs/architecture.md still names the modules src/ no longer has (counts.py, ahead.py, counting.py,"
+    " data.py, _audit_rerun.py, trainer/_evaluation.py): the docs are not the tests' to edit",
+)
+def test_the_architecture_page_names_only_files_that_exist():
+    package = ROOT / "src" / "lightning_weighted"
+    files = {path.relative_to(package).as_posix() for path in package.rglob("*.py")}
+    named = set(re.findall(r"`([\w/]+\.py)`", (ROOT / "docs" / "architecture.md").read_text()))
+    assert {"loop.py", "window.py", "trainer/_seam.py"} <= named  # what the page is about
+    missing = sorted(
+        name
+        for name in named
+        if not (ROOT / name).exists() and not any(f == name or f.endswith(f"/{name}") for f in files)
+    )
+    assert missing == [], f"docs/architecture.md names files that do not exist: {missing}"
+
+
 @pytest.mark.parametrize("code", BLOCKS)
 def test_each_python_block_of_the_readme_and_docs_runs_as_copied(code: str, tmp_path: Path):
     # Each block runs as its own script, on as many ranks as its `devices=` asks for (the ranks forked ready-

@@ -9,12 +9,13 @@ from typing import NamedTuple
 
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_weighted import ItemCounter, ItemMetrics, ItemMonitor, WindowResult, count_documents, count_tokens
-from lightning_weighted.counts import Problem, read_count
-from lightning_weighted.loop import LoopResults
+from lightning_weighted.loop import WeightedStrategy
+from lightning_weighted.window import Count, Problem, read_count
 
 LABELS = torch.tensor(
     [
@@ -142,7 +143,8 @@ def test_item_counter_is_a_specification_whose_only_hook_is_the_setup_check():
     hooks = {name for name in vars(Callback) if name.startswith("on_") or name in ("teardown", "state_dict")}
     assert {name for name in vars(ItemCounter) if name in hooks | {"setup", "load_state_dict"}} == {"setup"}
     counter = ItemCounter("tokens", key="labels", shift=True)
-    assert set(vars(counter)) == {"count", "key", "ignore_index", "mask", "shift", "integer"}
+    assert set(vars(counter)) == {"count", "key", "ignore_index", "mask", "shift", "integer", "parts"}
+    assert counter.parts == {} and counter.names == ()  # one loss
     assert counter.state_dict() == {}  # nothing in a checkpoint
 
 
@@ -162,7 +164,7 @@ def test_an_item_counter_holds_nothing_of_the_fit_it_counted_and_the_monitor_sum
     assert float(trainer.callback_metrics["train/items"]) == 1.0
 
 
-class _Results(LoopResults):
+class _Results(WeightedStrategy):
     """A weighted strategy's results, without a fit: `last_window` set by hand."""
 
     _loop = None
@@ -183,15 +185,23 @@ def test_items_per_sec_is_measured_over_the_step_not_since_the_monitor_was_built
     assert logged["train/items_per_sec"] > 1000.0 / 0.5  # the step took far less than the wait before it
 
 
-def test_item_metrics_give_each_windows_values_and_the_epochs_item_weighted_loss():
+def test_item_metrics_give_each_windows_values_and_the_epochs_item_weighted_loss(monkeypatch):
     metrics = ItemMetrics(imbalance=False)
     assert metrics.compute() == {}  # no window yet
+    # a data-parallel group of 2 ranks, each holding these aux sums: their SUM is twice this rank's
+    reduced: list[object] = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, group=None, **_: reduced.append(group) or tensor.mul_(2))
+    metrics.group = group = object()
     aux = {"z": torch.tensor(3.0, dtype=torch.float64), "b": torch.tensor(1.5, dtype=torch.float64)}
-    metrics.update(WindowResult(step=0, items=8.0, local_items=2.0, loss=2.5, ranks=2), aux=aux, microbatches=3)
+    metrics.update(WindowResult(step=0, items=8.0, local_items=2.0, loss=2.5), aux=aux, microbatches=3)
     values = metrics.compute()
     assert values["train/loss"] == 2.5 and values["train/items"] == 8.0 and values["train/items_local"] == 2.0
     assert "train/items_per_sec" not in values  # no wall time given
-    assert float(values["train/aux/z"]) == 3.0 / 6 and float(values["train/aux/b"]) == 1.5 / 6  # M·P = 3·2
+    # each term's SUM over the ranks, over M·P = 3·2 microbatches
+    assert float(values["train/aux/z"]) == 2 * 3.0 / 6 and float(values["train/aux/b"]) == 2 * 1.5 / 6
+    assert reduced == [group]  # one all-reduce over the data-parallel group
     assert "train/aux/z" not in metrics.compute(collectives=False)
     metrics.update(WindowResult(step=1, items=0.0, local_items=0.0, loss=math.nan), elapsed=0.0)
     assert "train/loss" not in metrics.compute() and math.isnan(metrics.compute()["train/items_per_sec"])
@@ -200,6 +210,21 @@ def test_item_metrics_give_each_windows_values_and_the_epochs_item_weighted_loss
     assert metrics.end_epoch() == {"train/loss_epoch": (2.5 * 8 + 1.0 * 4) / 12}  # the empty window weighs 0
     assert metrics.end_epoch() == {}  # a new epoch, with no window yet
     assert metrics.items_total == 12.0
+
+
+def test_item_metrics_give_each_loss_parts_mean_and_items_beside_the_sum_of_the_means():
+    metrics = ItemMetrics(imbalance=False)
+    text = WindowResult(step=0, items=4.0, local_items=3.0, loss=2.5)
+    image = WindowResult(step=0, items=0.0, local_items=0.0, loss=math.nan)  # no image this window
+    metrics.update(WindowResult(step=0, items=4.0, local_items=3.0, loss=2.5, parts={"text": text, "image": image}))
+    assert metrics.compute() == {
+        "train/loss": 2.5,
+        "train/items": 4.0,
+        "train/items_local": 3.0,
+        "train/loss/text": 2.5,
+        "train/items/text": 4.0,
+        "train/items/image": 0.0,  # its loss, NaN, is left out
+    }
 
 
 def test_item_monitor_refuses_a_strategy_that_does_not_weight():
@@ -218,6 +243,46 @@ def test_the_monitors_items_total_round_trips_through_a_checkpoint():
     restored = ItemMonitor()
     restored.load_state_dict(monitor.state_dict())
     assert restored.items_total == 123.0
+
+
+def test_an_item_counter_of_loss_parts_counts_each_part_its_own_way_on_the_host_or_where_the_batch_lives():
+    batch = {"labels": LABELS, "image_mask": torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]])}
+    counter = ItemCounter(
+        parts={
+            "text": ItemCounter("tokens", key="labels", shift=True),
+            "image": lambda batch: batch["image_mask"].sum(),
+            "rows": "examples",
+        }
+    )
+    assert counter.names == ("text", "image", "rows")
+    assert counter.counts(batch, host=True) == [Count(4.0), Count(3.0), Count(3.0)]  # read before it moves
+    on_device = counter.counts(batch)
+    assert [isinstance(c.value, torch.Tensor) for c in on_device] == [True, True, False]  # examples: a host int
+    assert [float(c.value) for c in on_device] == [4.0, 3.0, 3.0]
+    assert [float(c.problem) if c.problem is not None else 0.0 for c in on_device] == [0.0, 0.0, 0.0]
+    assert [c.integer for c in counter.parts.values()] == [True, False, True]  # each part keeps its own rule
+    fractional = ItemCounter(parts={"weights": ItemCounter(lambda batch: 2.5, integer=True)})
+    assert fractional.counts(batch, host=True) == [Count(2.5, Problem.FRACTIONAL)]
+    assert ItemCounter("examples").counts(batch, host=True) == [Count(3.0)]  # no parts: one count
+
+
+@pytest.mark.parametrize("parts", [{}, [("text", "examples")], "examples"])
+def test_loss_parts_must_be_a_dict_of_named_counters(parts):
+    with pytest.raises(ValueError, match=r"parts=.* is not a dict of named parts: pass \{'name': ItemCounter"):
+        ItemCounter(parts=parts)  # type: ignore[arg-type]
+
+
+def test_a_preset_counts_a_combined_batch_over_each_loaders_part_and_a_function_gets_the_whole_batch():
+    combined = {"a": torch.zeros(2, 3), "b": torch.zeros(3, 3)}  # a CombinedLoader's batch of two loaders
+    assert ItemCounter("examples").counts(combined, host=True, combined=True) == [Count(5.0)]
+    assert ItemCounter("examples").counts([torch.zeros(2), None, torch.zeros(4)], combined=True) == [Count(6.0)]
+    tokens = ItemCounter("tokens", key="labels", shift=True)  # None: a loader out of batches in "max_size"
+    assert tokens.counts({"x": {"labels": LABELS}, "y": {"labels": LABELS[:2]}}, host=True, combined=True) == [
+        Count(8.0)
+    ]
+    assert ItemCounter(lambda batch: len(batch)).counts(combined, combined=True) == [Count(2.0)]  # the whole batch
+    parts = ItemCounter(parts={"rows": "examples", "loaders": lambda batch: len(batch)})
+    assert parts.counts(combined, combined=True) == [Count(5.0), Count(2.0)]
 
 
 def test_a_packed_batch_counts_the_tokens_and_documents_of_its_padded_twin():

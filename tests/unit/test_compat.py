@@ -10,14 +10,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 import re
-from collections.abc import Callable, Iterator
-from datetime import timedelta
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.pytorch import Callback
 from pinning import VERSIONS, Pins
 from torch import Tensor, nn
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
@@ -47,18 +46,6 @@ def takes(entry: str, function: Callable[..., Any], names: list[str], symbol: st
     """``function`` takes the parameters ``names``, in that order (others may follow)."""
     parameters = [name for name in inspect.signature(function).parameters if name != "self"]
     pinned(entry, parameters[: len(names)] == names, symbol, f"parameters {parameters}, expected {names} first")
-
-
-@pytest.fixture
-def one_rank(tmp_path: Path) -> Iterator[None]:
-    """A gloo process group of one rank (this process), destroyed afterwards."""
-    assert not dist.is_initialized(), "a process group leaked from an earlier test"
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=30))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_every_entry_of_compat_is_pinned_here() -> None:
@@ -271,6 +258,37 @@ def test_set_sampler_swaps_the_sampler_of_a_built_loader_which_dataloader_refuse
     unbatched = DataLoader(data, batch_size=None)  # no batch sampler: the sampler yields the indices itself
     _compat.set_sampler(unbatched, reverse)
     pinned("set_sampler", [int(x) for x in unbatched] == reverse, "DataLoader._index_sampler", "without batches")
+
+    kept = DataLoader(data, batch_size=2, collate_fn=collate)
+    own = kept.sampler
+    with exercising("set_sampler", "DataLoader.batch_sampler.sampler"):
+        _compat.set_sampler(kept, reverse, keep=True)  # only in the batch sampler
+    pinned("set_sampler", kept.sampler is own, "DataLoader.sampler", "keep=True replaced it")
+    pinned("set_sampler", kept.batch_sampler.sampler is reverse, "BatchSampler.sampler")  # type: ignore[union-attr]
+    pinned("set_sampler", list(kept) == [[5, 4], [3, 2], [1, 0]], "DataLoader.batch_sampler", "iteration order")
+
+
+@pins("set_sampler")
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")  # torchdata 0.11's, on torch 2.13
+def test_set_sampler_keeps_a_stateful_loaders_sampler_whose_batch_sampler_holds_lightnings() -> None:
+    from lightning.pytorch.utilities.data import _update_dataloader
+    from torch.utils.data import DistributedSampler
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    # Lightning rebuilds a StatefulDataLoader around its DistributedSampler, which torchdata keeps in the batch
+    # sampler alone: `loader.sampler` is another one, the loader iterates the batch sampler's (why `keep=True`).
+    data = list(range(6))
+    inserted = DistributedSampler(data, num_replicas=2, rank=0, shuffle=False)
+    loader = _update_dataloader(StatefulDataLoader(data, batch_size=2), inserted)
+    batches = loader.batch_sampler
+    symbol = "torchdata StatefulDataLoader.batch_sampler.sampler"
+    pinned("set_sampler", batches.sampler is inserted and loader.sampler is not inserted, symbol, "where it is")
+    pinned("set_sampler", [b.tolist() for b in loader] == [[0, 2], [4]], symbol, "the sampler it iterates")
+    own, reverse = loader.sampler, [5, 3, 1]
+    with exercising("set_sampler", symbol):
+        _compat.set_sampler(loader, reverse, keep=True)
+    pinned("set_sampler", loader.sampler is own and batches.sampler is reverse, symbol, "what was replaced")
+    pinned("set_sampler", [b.tolist() for b in loader] == [[5, 3], [1]], symbol, "the replaced sampler iterates")
 
 
 @pins("rebuild_loader")
@@ -562,6 +580,32 @@ def test_fsdp2_param_groups_exposes_each_groups_parameters_and_mesh_info(one_ran
     pinned("fsdp2_param_groups", _compat.fsdp2_param_groups(empty) == [], symbol, "a module without parameters")
 
 
+@pins("fsdp2_shard_sizes")
+def test_fsdp2_shard_sizes_are_the_shard_and_replicate_sizes_of_a_groups_mesh_info(one_rank: None) -> None:
+    from types import SimpleNamespace
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    symbol = "FSDPParamGroup.mesh_info"
+    info = attribute("fsdp2_shard_sizes", _compat.fsdp2_param_groups(fsdp2_linear())[0], "mesh_info", symbol)
+    attribute("fsdp2_shard_sizes", info, "shard_mesh_size", f"{symbol} (FSDP)")
+    hybrid = nn.Linear(2, 2)
+    fully_shard(hybrid, mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard")))
+    group = _compat.fsdp2_param_groups(hybrid)[0]
+    attribute("fsdp2_shard_sizes", group.mesh_info, "shard_mesh_size", f"{symbol} (HSDP)")
+    attribute("fsdp2_shard_sizes", group.mesh_info, "replicate_mesh_size", f"{symbol} (HSDP)")
+    with exercising("fsdp2_shard_sizes", symbol):
+        sizes = _compat.fsdp2_shard_sizes(group)
+    pinned("fsdp2_shard_sizes", sizes == (1, 1), symbol, f"gave {sizes} on one rank")
+    # which is which, on a stand-in of 4 shards and 2 replicas (one rank has 1 of each); FSDP's own replicates none
+    hsdp = SimpleNamespace(shard_mesh_size=4, replicate_mesh_size=2)
+    sizes = _compat.fsdp2_shard_sizes(SimpleNamespace(mesh_info=hsdp))
+    pinned("fsdp2_shard_sizes", sizes == (4, 2), symbol, f"gave {sizes}")
+    sizes = _compat.fsdp2_shard_sizes(SimpleNamespace(mesh_info=SimpleNamespace(shard_mesh_size=4)))
+    pinned("fsdp2_shard_sizes", sizes == (4, 1), symbol, f"without replicas gave {sizes}")
+
+
 @pins("fsdp2_param_groups")
 @before((2, 12))
 def test_fsdp2_param_groups_before_torch_2_12_is_the_states_one_group(one_rank: None) -> None:
@@ -703,15 +747,26 @@ def test_parallel_sizes_are_read_and_set_where_model_parallel_strategy_builds_it
 
 
 @pins("fsdp1_options")
-def test_fsdp1_options_are_the_state_dict_type_and_checkpointing_kwargs_fsdp_strategy_stores() -> None:
+def test_fsdp1_options_are_the_state_dict_type_and_fsdp1_and_checkpointing_kwargs_fsdp_strategy_stores() -> None:
+    from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
     from lightning.pytorch.strategies import FSDPStrategy
 
-    strategy = FSDPStrategy(state_dict_type="sharded", activation_checkpointing_policy={nn.Linear})
-    symbol = "FSDPStrategy._state_dict_type/_activation_checkpointing_kwargs"
-    with exercising("fsdp1_options", symbol):
-        state_dict_type, checkpointing = _compat.fsdp1_options(strategy)
-    pinned("fsdp1_options", state_dict_type == "sharded", symbol, f"state_dict_type {state_dict_type!r}")
-    pinned("fsdp1_options", isinstance(checkpointing, dict) and checkpointing, symbol, f"kwargs {checkpointing}")
+    for cls, where, name in [
+        (FSDPStrategy, "lightning.pytorch.strategies.FSDPStrategy", "kwargs"),
+        (FabricFSDPStrategy, "lightning.fabric.strategies.FSDPStrategy", "_fsdp_kwargs"),
+    ]:
+        symbol = f"{where}._state_dict_type/.{name}/._activation_checkpointing_kwargs"
+        strategy = cls(state_dict_type="sharded", activation_checkpointing_policy={nn.Linear}, limit_all_gathers=True)
+        attribute("fsdp1_options", strategy, name, where)
+        with exercising("fsdp1_options", symbol):
+            state_dict_type, kwargs, checkpointing = _compat.fsdp1_options(strategy)
+        pinned("fsdp1_options", state_dict_type == "sharded", symbol, f"state_dict_type {state_dict_type!r}")
+        pinned("fsdp1_options", kwargs.get("limit_all_gathers") is True, f"{where}.{name}", f"kwargs {kwargs}")
+        pinned("fsdp1_options", kwargs is getattr(strategy, name), f"{where}.{name}", "not the stored dict itself")
+        pinned("fsdp1_options", isinstance(checkpointing, dict) and checkpointing, symbol, f"kwargs {checkpointing}")
+    # each wraps the model with the FSDP1 keyword arguments it stores
+    source_says("fsdp1_options", FSDPStrategy._setup_model, "**self.kwargs,", "FSDPStrategy._setup_model")
+    source_says("fsdp1_options", FabricFSDPStrategy.setup_module, "**self._fsdp_kwargs,", "FSDPStrategy.setup_module")
 
 
 @pins("set_backward_sync_control")
@@ -742,6 +797,74 @@ def test_combined_mode_is_the_mode_of_the_combined_loader_the_fit_loop_built() -
         mode = attribute("combined_mode", loader, "_mode", "CombinedLoader")
     pinned("combined_mode", mode == "min_size", "CombinedLoader._mode", f"mode {mode!r}")
     source_says("combined_mode", _FitLoop.setup_data, "self._combined_loader = combined_loader", "_FitLoop")
+
+
+class _Progress(Callback):
+    """Records, at each train batch's start and end, what the accessors of the fit's progress read."""
+
+    def __init__(self) -> None:
+        self.started: list[tuple[int, int, bool]] = []  # the hook's batch_idx, train_batch_idx, trainer_of's
+        self.ended: list[tuple[int, tuple[int, bool]]] = []  # the hook's batch_idx, train_progress
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.started.append((batch_idx, _compat.train_batch_idx(trainer), _compat.trainer_of(pl_module) is trainer))
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.ended.append((batch_idx, _compat.train_progress(trainer)))
+
+
+def _fit_three_batches(module: Any) -> _Progress:
+    from lightning.pytorch import Trainer
+
+    progress = _Progress()
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=3, limit_val_batches=0, callbacks=[progress],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module)
+    return progress
+
+
+@pins("train_batch_idx", "train_progress", "trainer_of")
+def test_train_batch_idx_progress_and_trainer_of_read_the_epoch_loop_and_the_modules_trainer() -> None:
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    loop = "lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop"
+    pinned("train_batch_idx", isinstance(getattr(_TrainingEpochLoop, "batch_idx", None), property), f"{loop}.batch_idx")
+    source_says("train_progress", _TrainingEpochLoop.advance, "self.batch_progress.increment_processed()", loop)
+    module = BoringModel()
+    pinned("trainer_of", "_trainer" in vars(module), "LightningModule._trainer", "it is gone")
+    pinned("trainer_of", _compat.trainer_of(module) is None, "LightningModule._trainer", "set outside a fit")
+    with pytest.raises(RuntimeError, match="not attached to a `Trainer`"):  # why the accessor reads `_trainer`
+        LightningModule.trainer.fget(module)  # type: ignore[attr-defined]
+    with exercising("train_batch_idx", f"{loop}.batch_idx / batch_progress"):
+        progress = _fit_three_batches(module)
+    started = progress.started == [(0, 0, True), (1, 1, True), (2, 2, True)]
+    pinned("train_batch_idx", started, f"{loop}.batch_idx", f"the hook's, ours and trainer_of's: {progress.started}")
+    ended = progress.ended == [(0, (1, False)), (1, (2, False)), (2, (3, True))]
+    pinned("train_progress", ended, f"{loop}.batch_progress", f"processed, last at each batch's end: {progress.ended}")
+
+
+@pins("train_batch_idx")
+@pytest.mark.filterwarnings("ignore:You are using the `dataloader_iter` step flavor")
+@pytest.mark.filterwarnings("ignore:Found `dataloader_iter` argument in the `training_step`")
+def test_train_batch_idx_counts_the_batch_in_progress_where_the_hooks_come_one_fetch_late() -> None:
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    class FetchesItself(BoringModel):
+        def training_step(self, dataloader_iter: Any) -> Any:  # type: ignore[override]
+            batch, batch_idx, _ = next(dataloader_iter)
+            return super().training_step(batch, batch_idx)
+
+    progress = _fit_three_batches(FetchesItself())
+    late = [hook for hook, _, _ in progress.started] == [0, 0, 1]  # why the accessor reads the epoch loop's
+    pinned("train_batch_idx", late, "_TrainingEpochLoop.advance (dataloader_iter)", f"hooks got {progress.started}")
+    counted = [index for _, index, _ in progress.started] == [0, 1, 2]
+    pinned("train_batch_idx", counted, "_TrainingEpochLoop.batch_idx (dataloader_iter)", f"{progress.started}")
+    last = progress.ended[-1][1] == (3, True)
+    pinned("train_progress", last, "_TrainingEpochLoop.batch_progress (dataloader_iter)", f"{progress.ended}")
 
 
 @pins("fetched_batch")

@@ -7,7 +7,7 @@ import torch
 from pinning import Pins
 from torch.utils.data import DataLoader
 
-from lightning_weighted import extension
+from lightning_weighted.loaders import extension
 
 PINS = Pins("extension.")
 pinned, exercising = PINS.pinned, PINS.exercising
@@ -75,3 +75,62 @@ def test_extend_own_state_and_restore_on_a_stateful_dataloader_and_a_plain_itera
     pinned("extend", runs, "iter() of an iterable", "a wrapped iterable runs its stage")
     pinned("own_state", extension.own_state(wrapped) is None, "state_dict of an iterable", "a list has none")
     pinned("restore", extension.restore(wrapped) is iterable, "iter() of an iterable", "the iterable given back")
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")  # torchdata 0.11's, on torch 2.13
+def test_an_extended_stateful_loader_loads_the_state_its_extension_names_in_place_of_the_given_one() -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    data = list(range(8))
+    source = StatefulDataLoader(data, batch_size=2)
+    iterator = iter(source)
+    next(iterator)
+    own = source.state_dict()  # this rank's: 1 batch consumed
+    next(iterator)
+    given = source.state_dict()  # another rank's, which Lightning hands every rank: 2 batches consumed
+
+    loader = StatefulDataLoader(data, batch_size=2)
+    found = extension.extension(extension.extend(loader))
+    assert found is not None and found.load is None
+    found.load = lambda state: own if state == given else None  # as `_loaders.py` sets it: this rank's own
+    with exercising("extend", "StatefulDataLoader.load_state_dict"):
+        loader.load_state_dict(given)
+        rest = [batch.tolist() for batch in loader]
+    pinned("extend", rest == [[2, 3], [4, 5], [6, 7]], "StatefulDataLoader.load_state_dict", f"own state: {rest}")
+
+    untouched = StatefulDataLoader(data, batch_size=2)
+    found = extension.extension(extension.extend(untouched))
+    assert found is not None
+    found.load = lambda state: None  # no real batch left on this rank: nothing to load
+    untouched.load_state_dict(given)
+    rest = [batch.tolist() for batch in untouched]
+    pinned("extend", rest == [[0, 1], [2, 3], [4, 5], [6, 7]], "StatefulDataLoader.load_state_dict", "nothing loaded")
+    extension.restore(loader)
+    extension.restore(untouched)
+
+
+def test_a_wrapped_iterable_reads_its_state_through_its_extension_too() -> None:
+    class Stateful(list):
+        def __init__(self) -> None:
+            super().__init__([1, 2])
+            self.loaded: list[object] = []
+
+        def state_dict(self) -> dict[str, int]:
+            return {"own": 1}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            self.loaded.append(state)
+
+    iterable = Stateful()
+    wrapped = extension.extend(iterable)
+    found = extension.extension(wrapped)
+    assert found is not None and wrapped.state_dict() == {"own": 1}
+    pinned("own_state", extension.own_state(wrapped) == iterable.state_dict, "state_dict of an iterable", "read")
+    found.state = lambda: {"earlier": 1}
+    found.load = lambda given: {"mine": 2} if given == {"everyone's": 3} else None
+    assert wrapped.state_dict() == {"earlier": 1}
+    wrapped.load_state_dict({"everyone's": 3})
+    wrapped.load_state_dict({"other": 4})  # nothing to load for it
+    assert iterable.loaded == [{"mine": 2}]
+    found.state = lambda: None  # no earlier moment: the iterable's own
+    assert wrapped.state_dict() == {"own": 1}

@@ -12,9 +12,12 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 
 import lightning_weighted
-from lightning_weighted import WeightedFabricDDPStrategy, WeightedFabricModelParallelStrategy
-from lightning_weighted.counts import FABRIC, Count, Problem
-from lightning_weighted.window import Window
+from lightning_weighted import (
+    WeightedFabricDDPStrategy,
+    WeightedFabricFSDPStrategy,
+    WeightedFabricModelParallelStrategy,
+)
+from lightning_weighted.window import FABRIC, Count, Problem, Slot, Window, problem_error
 
 NAMES = {
     "ddp_weighted": ("popen", False),
@@ -35,7 +38,9 @@ def test_import_registers_every_fabric_name_and_reimport_changes_nothing():
         assert entry["init_params"].get("find_unused_parameters", False) is find_unused
         assert entry["init_params"] == before[name]["init_params"]
     assert STRATEGY_REGISTRY["fsdp2_weighted"]["strategy"] is WeightedFabricModelParallelStrategy
-    assert "ddp" in STRATEGY_REGISTRY  # Fabric's own names stay
+    assert STRATEGY_REGISTRY["fsdp_weighted"]["strategy"] is WeightedFabricFSDPStrategy
+    assert STRATEGY_REGISTRY["fsdp_weighted"]["init_params"] == {}
+    assert "ddp" in STRATEGY_REGISTRY and "fsdp" in STRATEGY_REGISTRY  # Fabric's own names stay
 
 
 def test_fabric_builds_the_fsdp2_strategy_from_its_name_and_no_backward_sync_marks_the_window():
@@ -44,6 +49,15 @@ def test_fabric_builds_the_fsdp2_strategy_from_its_name_and_no_backward_sync_mar
     with fabric.strategy.accumulating():  # what `fabric.no_backward_sync(model)` enters
         assert not fabric.strategy._syncs()
     assert fabric.strategy._syncs()
+
+
+def test_fabric_builds_the_fsdp1_strategy_from_its_name_and_a_sharding_that_does_not_shard_is_refused():
+    fabric = Fabric(strategy="fsdp_weighted", accelerator="cpu", devices=2)
+    assert isinstance(fabric.strategy, WeightedFabricFSDPStrategy)
+    assert fabric.strategy.sharding_strategy.name == "FULL_SHARD"
+    assert not fabric.strategy._accumulating  # outside `fabric.no_backward_sync(model)`
+    with pytest.raises(ValueError, match=r"`sharding_strategy='NO_SHARD'` does not shard gradients over every"):
+        WeightedFabricFSDPStrategy(sharding_strategy="NO_SHARD")
 
 
 @pytest.mark.parametrize("name", sorted(NAMES))
@@ -68,10 +82,10 @@ def test_fabric_errors_name_fabric_backward_and_its_count_argument(problem, valu
     bad.reject(problem, value)
     cpu = torch.device("cpu")
     summed = (good.payload(True, cpu) + bad.payload(True, cpu)).tolist()
+    assert summed[Slot.INVALID] == 1.0  # every rank reads that a rank found a problem, and gathers every rank's row
     rows = [good.problem_row(cpu).tolist(), bad.problem_row(cpu).tolist()]
-    for window in (good, bad):
-        with pytest.raises(error, match=match):
-            window.finish(summed, step=0, wording=FABRIC, rows=lambda: rows)
+    with pytest.raises(error, match=match):
+        raise problem_error(rows, FABRIC)  # what `loop.Exchange.read(FABRIC)` raises on every rank
 
 
 def test_a_bad_participation_policy_is_refused_where_it_is_passed():

@@ -22,9 +22,9 @@ from pinning import Pins
 from torch import nn
 
 from lightning_weighted.trainer._seam import (
+    BATCHES,
     CLIP,
     EPOCH_END,
-    EVALUATION,
     REPLAY_LOGS,
     SAMPLER_WARNING,
     SCHEDULERS,
@@ -58,17 +58,30 @@ def test_lr_schedulers_step_only_through_the_modules_hook() -> None:
 
 def test_evaluation_batches_and_epoch_ends_reach_callbacks_and_the_module_only() -> None:
     for hook in ("on_validation_batch_start", "on_test_batch_start", "on_validation_epoch_end", "on_test_epoch_end"):
-        pinned(EVALUATION, not hasattr(Strategy, hook), f"Strategy.{hook}", "the strategy has the hook now")
-        pinned(EVALUATION, hasattr(Callback, hook), f"Callback.{hook}", "gone")
+        pinned(BATCHES, not hasattr(Strategy, hook), f"Strategy.{hook}", "the strategy has the hook now")
+        pinned(BATCHES, hasattr(Callback, hook), f"Callback.{hook}", "gone")
     source = inspect.getsource(_EvaluationLoop._evaluation_step)
-    pinned(EVALUATION, "call._call_callback_hooks(trainer, hook_name, *hook_kwargs.values())" in source, "its call")
+    pinned(BATCHES, "call._call_callback_hooks(trainer, hook_name, *hook_kwargs.values())" in source, "its call")
     pinned(
-        EVALUATION,
+        BATCHES,
         "_call_strategy_hook(trainer, hook_name, *hook_kwargs" not in source,
         "_evaluation_step",
         "a strategy hook is called",
     )
-    source_says(EVALUATION, call._call_callback_hooks, "callbacks = trainer.callbacks", "the callbacks it calls")
+    source_says(BATCHES, call._call_callback_hooks, "callbacks = trainer.callbacks", "the callbacks it calls")
+
+
+def test_a_train_batch_reaches_the_callbacks_in_order_then_the_module_and_only_then_the_strategy() -> None:
+    source = inspect.getsource(_TrainingEpochLoop.advance)
+    hooks = [
+        'call._call_callback_hooks(trainer, "on_train_batch_start", batch, batch_idx)',
+        'call._call_lightning_module_hook(trainer, "on_train_batch_start", batch, batch_idx)',
+        'call._call_strategy_hook(trainer, "on_train_batch_start", batch, batch_idx)',
+    ]
+    found = [source.find(hook) for hook in hooks]
+    pinned(BATCHES, -1 not in found, "_TrainingEpochLoop.advance", f"a hook's call is gone: {found}")
+    pinned(BATCHES, found == sorted(found), "_TrainingEpochLoop.advance", "callbacks, module, strategy: the order")
+    source_says(BATCHES, call._call_callback_hooks, "for callback in callbacks:", "the callbacks in their order")
 
 
 def test_a_logged_mean_weighs_each_call_by_its_batch_size_so_a_replay_logs_with_weight_zero() -> None:
@@ -94,10 +107,17 @@ def test_fsdp1_precision_still_refuses_norm_clipping() -> None:
 
 
 class _Sees(Callback):
-    """Records, during the fit, what the seam touched."""
+    """Records, during the fit, what the seam touched, and the batch each train batch's hooks see."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[int, int, bool]] = []  # batch_idx, the seam's position of it, and padding_step
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.during = (set(vars(pl_module)), [type(c).__name__ for c in trainer.callbacks], list(warnings.filters))
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: object, batch_idx: int) -> None:
+        strategy = trainer.strategy
+        self.batches.append((batch_idx, strategy._seam.batch.position, strategy.padding_step))  # type: ignore[attr-defined]
 
 
 def test_every_touch_is_made_at_setup_and_undone_at_teardown(one_process_group):
@@ -112,7 +132,8 @@ def test_every_touch_is_made_at_setup_and_undone_at_teardown(one_process_group):
     trainer.fit(module)
     attributes, names, filters = sees.during
     assert {"on_train_batch_start", "lr_scheduler_step"} <= attributes  # EPOCH_END, SCHEDULERS
-    assert names[0] == "_Evaluation"  # EVALUATION: first, before the user's callbacks
+    assert names[0] == "_Batches"  # BATCHES: first, before the user's callbacks
+    assert sees.batches == [(0, 0, False), (1, 1, False)]  # each batch begun before a callback of the user's sees it
     assert len(filters) == len(before) + 1  # SAMPLER_WARNING
     assert not {"on_train_batch_start", "lr_scheduler_step", "log"} & set(vars(module))  # the module as it was
     assert trainer.callbacks == callbacks and warnings.filters == before

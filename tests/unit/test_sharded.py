@@ -44,14 +44,6 @@ def test_fsdp1_sharding_strategies_that_take_no_weighted_reduction_are_refused(s
         WeightedFSDPStrategy(sharding_strategy=sharding, **extra)
 
 
-@pytest.fixture
-def one_rank():
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _sharded(policy: object = None, root: bool = True) -> nn.Sequential:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 import pickle
+from types import SimpleNamespace
 
 import pytest
+import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities import CombinedLoader
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 import lightning_weighted
-from lightning_weighted import UnpaddedDistributedSampler, WeightedDDPStrategy
+from lightning_weighted import ItemCounter, UnpaddedDistributedSampler, WeightedDDPStrategy
 from lightning_weighted._compat import LOADER_BARRIERS
+from lightning_weighted.loop import read_output
+from lightning_weighted.window import Count, Problem
 
 NAMES = {
     "ddp_weighted": ("popen", False),
@@ -51,7 +57,8 @@ def test_public_names_are_exactly_all():
     }
     assert set(lightning_weighted.__all__) == public - {"StrategyRegistry", "Any"}
     assert lightning_weighted.__all__ == sorted(lightning_weighted.__all__)
-    assert len(lightning_weighted.__all__) <= 19
+    assert len(lightning_weighted.__all__) <= 20  # WeightedFabricFSDPStrategy is the 20th
+    assert "WeightedFabricFSDPStrategy" in lightning_weighted.__all__
 
 
 def test_a_comm_hook_of_your_own_is_passed_on_as_under_ddp():
@@ -64,6 +71,40 @@ def test_the_strategy_pickles_for_the_spawn_launcher():
     strategy = pickle.loads(pickle.dumps(WeightedDDPStrategy(find_unused_parameters=True)))
     assert strategy._ddp_kwargs == {"find_unused_parameters": True}
     assert strategy.skipped_steps == 0
+
+
+def test_the_count_rule_takes_a_returned_count_then_the_item_counters_then_the_batch_size():
+    strategy = WeightedDDPStrategy()  # no fit: its ItemCounter set as `setup` takes it from the callbacks
+    batch, loss = torch.zeros(5, 3), torch.tensor(1.0)
+    strategy._counter = ItemCounter(lambda batch: 7, integer=True)
+    assert strategy.counts_of(read_output({"loss": loss, "count": 2}), batch) == [Count(2.0)]
+    assert strategy.counts_of(read_output({"loss": loss}), batch) == [Count(7.0)]
+    assert strategy.counts_of(read_output(loss), batch) == [Count(7.0)]
+    # the counter's count keeps its own integer rule
+    strategy._counter = ItemCounter(lambda batch: 2.5, integer=True)
+    assert strategy.counts_of(read_output(loss), batch) == [Count(2.5, Problem.FRACTIONAL)]
+    # nothing gave a count: the batch size, marked as an implicit choice (a dict without "count" too)
+    strategy._counter = None
+    assert strategy.counts_of(read_output({"loss": loss}), batch) == [Count(5.0, implicit=True)]
+    assert strategy.counts_of(read_output(loss), batch) == [Count(5.0, implicit=True)]
+
+
+def test_a_batch_of_several_loaders_is_counted_over_each_by_the_item_counter_or_refused_as_ambiguous():
+    strategy = WeightedDDPStrategy()
+    batch, loss = {"a": torch.zeros(2, 3), "b": torch.zeros(3, 3)}, torch.tensor(1.0)
+    strategy._loaders.train_loaders = [object(), object()]  # two train loaders, in the default mode
+    assert strategy._loaders.combined
+    (count,) = strategy.counts_of(read_output(loss), batch)
+    assert count.problem is Problem.AMBIGUOUS and math.isnan(count.value)  # Lightning's batch size is the first's
+    assert strategy.counts_of(read_output({"loss": loss, "count": 4}), batch) == [Count(4.0)]
+    strategy._counter = ItemCounter("examples")
+    assert strategy.counts_of(read_output(loss), batch) == [Count(5.0)]  # every loader's rows
+    # a sequential CombinedLoader hands one loader's batch at a time: its batch size is unambiguous
+    strategy._counter = None
+    sequential = CombinedLoader({"a": [0], "b": [1]}, mode="sequential")
+    strategy._loaders.fit_loop = SimpleNamespace(_combined_loader=sequential)
+    assert not strategy._loaders.combined
+    assert strategy.counts_of(read_output(loss), torch.zeros(2, 3)) == [Count(2.0, implicit=True)]
 
 
 class _Recording(WeightedDDPStrategy):
