@@ -1,19 +1,14 @@
 """The loop of windows of one fit or one Fabric loop: a microbatch in, its loss to backpropagate out, one exchange.
 
 The front ends (``trainer/``, ``fabric/``) hand it each microbatch's facts as arguments and keep no window rule of
-their own: :meth:`WindowLoop.plan` (counts ahead), :meth:`WindowLoop.add` (a microbatch's :class:`Output`, whether it
-is a replay), :meth:`WindowLoop.backward_loss`, :meth:`WindowLoop.end` (before the backward that ends the window: one
-asynchronous float64 SUM of every part's payload over the data-parallel ranks, overlapping that backward) and
-:meth:`WindowLoop.finish` (after it: where counts came after the forwards, the reduced gradients times :math:`D c/N`
-in one fused pass; then the step's one host read, and the decision every rank takes alike: the error, the step, or no
-step where :math:`N = 0`). The objective is stated in :mod:`lightning_weighted.window`.
+their own. The objective and the two count paths: :mod:`lightning_weighted.window`.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,10 +54,7 @@ class Output:
 
 
 def read_output(output: object) -> Output:
-    """What ``training_step`` (or ``validation_step``) returned: a loss, or a dict with ``"loss"`` and its keys.
-
-    ``"count"`` (read once), ``"reduction"`` (``"mean"`` or ``"sum"``), ``"parts"`` and ``"aux"`` (dicts of
-    one-element tensors).
+    """What a step returned: a loss, or a dict of ``"loss"``, ``"count"``, ``"reduction"``, ``"parts"`` and ``"aux"``.
 
     Example::
 
@@ -173,10 +165,9 @@ class WindowLoop:
     def plan(
         self, counts: Sequence[Sequence[Count]], totals: Sequence[float | Tensor] | None = None
     ) -> Sequence[float | Tensor]:
-        """Counts the next window ahead: each part's counts of its microbatches, which :meth:`add` takes in order.
+        """Counts the next window ahead: each part's counts, taken in order by :meth:`add`; returns each part's N.
 
         ``totals``: each part's :math:`N` where an earlier exchange brought it; else one SUM now, left on the device.
-        Returns the totals.
         """
         if self._windows:
             raise RuntimeError("a window's counts were handed over while a window is open: once per window, first")
@@ -241,20 +232,15 @@ class WindowLoop:
         return self._windows
 
     def drop(self) -> None:
-        """Forgets the window in progress, whose gradient Lightning drops as it ends the epoch before the next batch.
-
-        No exchange has started (it starts at a window's last backward).
-        """
+        """Forgets the window in progress (before its exchange), whose gradient Lightning drops as it ends an epoch."""
         assert self._exchange is None
         self._windows, self._planned, self._backward = [], [], False
         self._typical.microbatches = 0
 
     def backward_loss(self, loss: Tensor | None, multiplier: float = 1.0) -> Tensor:
-        """The loss to backpropagate for the microbatch :meth:`add` took.
+        """The loss to backpropagate: ``loss · factor · multiplier`` (each part its own) plus the auxiliary terms.
 
-        ``loss · factor · multiplier`` (with parts, their sum, each times its own factor), plus the weighted
-        auxiliary terms. A microbatch that contributes nothing on the host (a count of 0, a replay) gives the
-        engine's ``0 · loss``, whose backward runs through its own graph and adds nothing (:meth:`Engine.empty`).
+        One that contributes nothing on the host (a count of 0, a replay) gives the engine's ``0 · loss``.
         """
         factor, parts, aux = self._loss
         self._backward = True
@@ -276,7 +262,7 @@ class WindowLoop:
         return self.engine.empty(loss)
 
     def end(self, more: bool, next_items: Sequence[float] = ()) -> None:
-        """Starts the window's exchange, right before the backward that ends the window (once per window).
+        """Starts the window's exchange, right before the backward that ends it, so that the two overlap.
 
         Args:
             more: whether this rank holds real batches after the window.
@@ -288,8 +274,7 @@ class WindowLoop:
     def finish(self, step: int, more: bool = True, next_items: Sequence[float] = ()) -> WindowResult:
         """Ends the window after its last backward: brings ``N`` to the gradients and decides, on every rank alike.
 
-        A window that ran no backward (a step that only recomputes statistics) leaves its gradients as they are;
-        ``more`` and ``next_items`` start its exchange as :meth:`end` would.
+        A window that ran no backward leaves its gradients as they are; ``more`` and ``next_items`` as for :meth:`end`.
         """
         self.end(more, next_items)
         windows, exchange, backward = self._windows, self._exchange, self._backward
@@ -383,42 +368,43 @@ def _combined(step: int, names: tuple[str, ...], results: list[WindowResult]) ->
 
 
 def summed_counts(counts: Sequence[Sequence[Count]], device: torch.device, group: dist.ProcessGroup | None) -> Tensor:
-    """Each part's SUM over ``group`` of every rank's valid ``counts``, left on the device (one all-reduce).
-
-    Waited on by the device's stream, not the host.
-    """
+    """Each part's SUM over ``group`` of every rank's valid ``counts``, left on the device (one all-reduce)."""
     total = torch.zeros(max(len(counts), 1), dtype=torch.float64, device=device)
     for k, part in enumerate(counts):
         for count in part:
-            if isinstance(count.problem, Problem):
-                continue  # its problem is reported at the window's end, where the loop meets it
-            if isinstance(count.problem, Tensor):  # a count on the device, checked there
-                total[k] += torch.where(count.problem == 0, count.value, 0.0)
-            else:
-                total[k] += count.value
+            total[k] += _valid(count)  # an invalid one's problem is reported at the window's end
     dist.all_reduce(total, group=group)
     return total
+
+
+def _valid(count: Count | None) -> float | Tensor:
+    """A count's value where it is valid, else 0 (a count on a device is checked there)."""
+    if count is None or isinstance(count.problem, Problem):
+        return 0.0
+    return count.value if count.problem is None else torch.where(count.problem == 0, count.value, 0.0)
 
 
 def multiply_gradients(parameters: Iterable[Tensor], factor: Tensor | float) -> None:
     """Multiplies every local gradient (a shard, for a sharded parameter) by ``factor``, one fused pass per dtype."""
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for param in parameters:
-        grad = param.grad
-        if grad is not None:
-            local = grad.to_local() if hasattr(grad, "to_local") else grad
-            if local.numel():
-                groups.setdefault((local.device, local.dtype), []).append(local)
+    for local in _local_gradients(parameters):
+        if local.numel():
+            groups.setdefault((local.device, local.dtype), []).append(local)
     with torch.no_grad():
         for grads in groups.values():
             multiply(grads, factor)
 
 
-class TypicalCount:
-    """:math:`c` of the windows counted after: 1, or the size of one microbatch's count where losses stay mean-sized.
+def _local_gradients(parameters: Iterable[Tensor]) -> Iterator[Tensor]:
+    for param in parameters:
+        if param.grad is not None:
+            yield param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
 
-    Mean-sized (an fp16 backward, where item sums could overflow): the first window takes the largest first count
-    over the ranks (one MAX all-reduce, once), each later one the mean count per microbatch of the window before.
+
+class TypicalCount:
+    """:math:`c` of the windows counted after: 1, or where losses stay mean-sized (fp16) one microbatch's count.
+
+    That is the largest first count over the ranks (one MAX, once), then the mean per microbatch of the window before.
     """
 
     def __init__(self, mean_sized: bool) -> None:
@@ -433,11 +419,7 @@ class TypicalCount:
     def take(self, count: Count | None, device: torch.device, group: dist.ProcessGroup | None) -> None:
         """Notes a window's first microbatch (its count, at the first window of mean-sized losses)."""
         if self._value is None:
-            first = torch.zeros((), dtype=torch.float64, device=device)
-            if count is not None and not isinstance(count.problem, Problem):
-                first = first + count.value
-                if isinstance(count.problem, Tensor):
-                    first = torch.where(count.problem == 0, first, 0.0)
+            first = torch.zeros((), dtype=torch.float64, device=device) + _valid(count)
             dist.all_reduce(first, op=dist.ReduceOp.MAX, group=group)
             self._value = torch.where(first > 0, first, 1.0)
 
@@ -449,19 +431,10 @@ class TypicalCount:
 
 
 def _check_nan_empty(engine: Engine, ranks: int, device: torch.device) -> None:
-    """Raises on every rank where a microbatch counted 0 with a non-finite loss put non-finite values into gradients.
-
-    Counted 0 on the host (or a replay), its backward runs through its own graph and the engine cuts its own NaN
-    (0/0) out of its gradients: exact, unless a collective of the model's backward carried the NaN to the other
-    ranks. Counted 0 on the device, or a part counted 0 beside others, its loss was multiplied by 0, not cut: exact
-    for a loss whose gradient is finite where nothing is counted, NaN for a mean that divides by the count (0/0).
-    """
+    """Raises on every rank where a microbatch counted 0 with a non-finite loss put non-finite values into gradients."""
     flag = torch.zeros(1, dtype=torch.float64, device=device)
-    for param in engine.parameters():
-        grad = param.grad
-        if grad is not None:
-            local = grad.to_local() if hasattr(grad, "to_local") else grad
-            flag += (~torch.isfinite(local.coalesce().values() if local.is_sparse else local)).any()
+    for local in _local_gradients(engine.parameters()):
+        flag += (~torch.isfinite(local.coalesce().values() if local.is_sparse else local)).any()
     dist.all_reduce(flag, group=engine.group)
     if flag.item() == 0:
         return

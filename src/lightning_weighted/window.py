@@ -260,6 +260,7 @@ class Slot(IntEnum):
 
 
 SUMMED = len(Slot) - 1
+_Held = tuple[Tensor, Tensor, Tensor | None, bool | None]  # a device count: n, its problem, its loss, an item sum
 
 
 class Window:
@@ -269,8 +270,7 @@ class Window:
         scale: counts after: :math:`c`, what each loss is divided by beside being multiplied by its count.
         total: counts ahead: the window's :math:`N` (a number, or still on the device), summed before it started.
         divisor: counts ahead: :math:`D`, what the engine's reduction divides the SUM of the gradients by.
-        microbatches: counts ahead: :math:`P M`, every rank's microbatches of the window, over which auxiliary terms
-            (:meth:`aux_factor`) are averaged as plain DDP averages its losses.
+        microbatches: counts ahead: :math:`P M`, every rank's microbatches of the window (:meth:`aux_factor`).
 
     Example (rank 1 of the worked trace, counted after)::
 
@@ -290,8 +290,7 @@ class Window:
         self.items = 0.0  # Σ n of host counts
         self.problem: tuple[Problem, float] | None = None  # the first problem known on the host
         self._device: dict[Slot, Tensor] = {}  # fields summed on the device: Σ n·loss of host counts, NAN_EMPTY
-        # counts on a device: n, its problem, the loss, whether an item sum; a count only checked has no loss slot
-        self._tensors: list[tuple[Tensor, Tensor, Tensor | None, bool | None]] = []
+        self._tensors: list[_Held] = []  # a count only checked has neither loss nor item-sum flag
 
     @property
     def ahead(self) -> bool:
@@ -324,21 +323,14 @@ class Window:
         self.items += n
         weight = 1.0 if item_sum else n
         if loss is not None:
-            self._accumulate(Slot.LOSS, loss.detach().sum().double() * weight)
+            value, held = loss.detach().sum().double() * weight, self._device.get(Slot.LOSS)
+            self._device[Slot.LOSS] = value if held is None else held + value
         return self._factor(weight)
 
     def check(self, given: Count, planned: Count, problem: Problem = Problem.DISAGREES) -> None:
-        """Checks a microbatch's count, counted again, against the one planned ahead: they must agree, or ``problem``.
+        """Checks a count taken again against the one planned ahead: they must agree, or ``problem``.
 
-        A tensor is compared on its device, the difference folded into the window's payload (no host read); the
-        planned count, whose factor the microbatch keeps, is never replaced.
-
-        Example::
-
-            >>> window = Window(total=4.0)
-            >>> window.check(read_count(torch.tensor(3)), Count(4.0), Problem.CHANGED)
-            >>> window.problem_row(torch.device("cpu")).tolist()
-            [14.0, 3.0]
+        A tensor is compared on its device (no host read); the microbatch keeps the planned count's factor.
         """
         if planned.problem is not None or isinstance(given.problem, Problem):
             if isinstance(given.problem, Problem):
@@ -352,15 +344,9 @@ class Window:
             self.reject(problem, given.value)
 
     def aux_factor(self) -> float | None:
-        """What an auxiliary term is multiplied by (:math:`D / (P M)`: each microbatch of each rank weighs alike).
+        """What an auxiliary term is multiplied by: :math:`D / (P M)`, each microbatch of each rank alike.
 
-        ``None`` where the window was counted after its forwards: its :math:`N`, which divides every gradient after
-        the reduction, is unknown to the auxiliary terms' backward.
-
-        Example (the 2 ranks of DDP's average, windows of 3 microbatches)::
-
-            >>> Window(total=8.0, divisor=2, microbatches=2 * 3).aux_factor()
-            0.3333333333333333
+        ``None`` counted after: the :math:`N` that divides the gradients after the reduction would divide them too.
         """
         return self.divisor / self.microbatches if self.ahead else None
 
@@ -372,18 +358,13 @@ class Window:
         return weight * self.divisor / self.total if self.total > 0 else 0.0
 
     def empty(self, loss: Tensor) -> None:
-        """Notes the loss of a microbatch that holds nothing and backpropagates all the same: whether it is finite.
+        """Notes whether the loss of a microbatch that holds nothing, backpropagated all the same, is finite.
 
-        The engine cuts its own NaN out of the gradients; a collective of the model's backward may carry it to the
-        other ranks, which the window's end then checks (``NAN_EMPTY``).
+        A collective of the model's backward may carry its NaN to the other ranks (``NAN_EMPTY``).
         """
         flag = (~torch.isfinite(loss.detach())).any().double()
         held = self._device.get(Slot.NAN_EMPTY)
         self._device[Slot.NAN_EMPTY] = flag if held is None else torch.maximum(held, flag)
-
-    def _accumulate(self, slot: Slot, value: Tensor) -> None:
-        held = self._device.get(slot)
-        self._device[slot] = value if held is None else held + value
 
     def reject(self, problem: Problem, value: float = math.nan) -> None:
         """Records a microbatch that cannot be weighted; the window reports its first problem."""
@@ -418,8 +399,7 @@ class Window:
             return torch.tensor([float(self.problem[0]), self.problem[1]], dtype=torch.float64, device=device)
         if not self._tensors:
             return torch.zeros(2, dtype=torch.float64, device=device)
-        n, problems, counted = self._stacked()
-        return torch.stack(_first_problem(n, problems, counted.sum() + self.items)).to(device)
+        return _stacked(self._tensors, self.items)[2].to(device)
 
     def result(self, summed: Sequence[float], step: int) -> WindowResult:
         """The window's result from its summed payload."""
@@ -431,10 +411,10 @@ class Window:
         fields = dict(self._device)
         if not self._tensors:
             return fields
-        n, problems, counted = self._stacked()
+        n, counted, first = _stacked(self._tensors, self.items)
         items = counted.sum()
         if self.problem is None:
-            fields[Slot.INVALID] = (_first_problem(n, problems, items + self.items)[0] > 0).double()
+            fields[Slot.INVALID] = (first[0] > 0).double()
         kept = [k for k, (*_, item_sum) in enumerate(self._tensors) if item_sum is not None]
         if not kept:
             return fields  # checks only: the counts are the planned ones, on the host
@@ -452,21 +432,20 @@ class Window:
             fields[Slot.NAN_EMPTY] = nan_empty if held is None else torch.maximum(held, nan_empty)
         return fields
 
-    def _stacked(self) -> tuple[Tensor, Tensor, Tensor]:
-        """The device counts, each one's problem (0: valid), and what each adds to ``N`` (a check adds nothing)."""
-        n = torch.stack([t[0] for t in self._tensors])
-        problems = torch.stack([t[1] for t in self._tensors])
-        counts = torch.tensor([t[3] is not None for t in self._tensors], device=n.device)
-        return n, problems, torch.where((problems == 0) & (n > 0) & counts, n, 0.0)
 
+def _stacked(tensors: list[_Held], host_items: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The device counts, what each adds to ``N`` (a check adds nothing), and ``[problem, value]`` of the first.
 
-def _first_problem(n: Tensor, problems: Tensor, total: Tensor) -> tuple[Tensor, Tensor]:
-    """The first of ``problems`` and its count, else :attr:`Problem.TOO_LARGE` and ``total`` where it reaches 2**53."""
-    first = (problems > 0).double().argmax()  # the window's first problem (the first microbatch if none)
+    The first problem where there is none is :attr:`Problem.TOO_LARGE` with ``N``, where ``N`` reaches 2**53.
+    """
+    n, problems = torch.stack([t[0] for t in tensors]), torch.stack([t[1] for t in tensors])
+    counts = torch.tensor([t[3] is not None for t in tensors], device=n.device)
+    counted = torch.where((problems == 0) & (n > 0) & counts, n, 0.0)
+    first, total = (problems > 0).double().argmax(), counted.sum() + host_items  # the first microbatch if none
     kind, value = torch.take(problems, first), torch.take(n, first)
     too_large = (kind == 0) & (total >= MAX_ITEMS)
     kind = torch.where(too_large, float(Problem.TOO_LARGE), kind)
-    return kind, torch.where(too_large, total, torch.where(kind > 0, value, 0.0))
+    return n, counted, torch.stack([kind, torch.where(too_large, total, torch.where(kind > 0, value, 0.0))])
 
 
 _INDICES: dict[tuple[tuple[Slot, ...], torch.device], Tensor] = {}

@@ -44,8 +44,6 @@ class FitLoaders:
         self._stage_name = ""
         self._extended: list[Any] = []
         self._resumed: dict[str, Any] | None = None  # this rank's place in the epoch a checkpoint resumes
-        self._first = (0, 0)  # the pass in progress, and its first `batch_idx`
-        self._next: tuple[int, int, list[float] | None] | None = None  # the next window's pass, size and N
 
     @property
     def combined(self) -> bool:
@@ -139,44 +137,6 @@ class FitLoaders:
         if not ahead and self.stage is not None:
             self.stage.count = None
         return ahead
-
-    def position(self, batch_idx: int) -> int:
-        """The place in its epoch of the train batch Lightning numbers ``batch_idx``.
-
-        A pass counts from where it started (past 0 where it resumed mid-epoch), whatever ``batch_idx`` Lightning
-        starts from (past 0 on a mid-epoch resume).
-        """
-        if self.stage is None:
-            return batch_idx
-        if self._first[0] != self.stage.passes:
-            self._first = (self.stage.passes, batch_idx)
-        return self.stage.start + batch_idx - self._first[1]
-
-    def window(self, size: int) -> tuple[list[list[Count]], list[float] | None]:
-        """Counts ahead: each part's counts of the next ``size`` batches, and their ``N`` where it is known already.
-
-        The exchange of the window before brings it, for every window but an epoch's first.
-        """
-        assert self.stage is not None
-        counts = [list(part) for part in zip(*self.stage.take(size), strict=True)]
-        planned, self._next = self._next, None
-        size = len(counts[0]) if counts else 0
-        if planned is None or planned[:2] != (self.stage.passes, size) or not size:
-            return counts, None
-        return counts, planned[2]
-
-    def following(self, size: int) -> list[float]:
-        """Counts ahead: this rank's items of each part in the ``size`` batches after the window in progress."""
-        assert self.stage is not None
-        counts = self.stage.peek(size) if size > 0 else []
-        self._next = (self.stage.passes, len(counts), None)
-        parts = list(zip(*counts, strict=True)) if counts else []
-        return [sum(c.value for c in part if c.problem is None and isinstance(c.value, float)) for part in parts]
-
-    def received(self, totals: list[float]) -> None:
-        """Takes the next window's ``N`` of each part from the exchange that ended the window in progress."""
-        if self._next is not None and self._next[1]:
-            self._next = (*self._next[:2], totals)
 
     def save(self, checkpoint: dict[str, Any], progress: tuple[int, bool] | None) -> None:
         """Puts every rank's place in the train epoch into ``checkpoint`` (one collective, every rank calls it).

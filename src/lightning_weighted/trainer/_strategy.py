@@ -38,9 +38,8 @@ _TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_a
 class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
     """The hooks of a weighted Trainer strategy, each a call into one :class:`~lightning_weighted.loop.WindowLoop`.
 
-    A strategy puts it before its Lightning strategy (``class S(WeightedTrainerStrategy, DDPStrategy)``) and says
-    which engine it drives in :meth:`_make_engine`. What the fit touches beyond the strategy's own hooks is in
-    :mod:`lightning_weighted.trainer._seam`.
+    Put before a Lightning strategy (``class S(WeightedTrainerStrategy, DDPStrategy)``), with :meth:`_make_engine`.
+    What the fit touches beyond the strategy's own hooks: :mod:`lightning_weighted.trainer._seam`.
     """
 
     strategy_name: str
@@ -48,10 +47,11 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
     def __init__(self, *args: Any, participation: Policy = "pad", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._loaders = FitLoaders(participation, torch.device("cpu"))  # its device once the strategy's is known
-        self._seam = Seam(self._loaders, self._begin_train)
+        self._windows = TrainWindows(self._loaders)
+        self._seam = self._windows.seam
         self._loop: WindowLoop | None = None
         self._counter: ItemCounter | None = None
-        self._ahead = self._implicit_noted = self._fetches_itself = self._checks_batch = False
+        self._implicit_noted = self._fetches_itself = self._checks_batch = False
 
     def _make_engine(self) -> Engine:
         """The engine this strategy drives, once its model is set up."""
@@ -65,7 +65,7 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
     @property
     def counts_ahead(self) -> bool:
         """Whether this fit takes each window's counts from its batches ahead."""
-        return self._ahead
+        return self._windows.ahead
 
     @property
     @override
@@ -86,7 +86,7 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
         super().setup(trainer)
         engine = self._make_engine()
         parts = counter.names if counter is not None else ()
-        self._loop = WindowLoop(engine, self.root_device, wording, parts)
+        self._loop = self._windows.loop = WindowLoop(engine, self.root_device, wording, parts)
         evaluation = EvaluationLoss(self.root_device, engine.group, self.counts_of, parts)
         self._seam.enter(trainer, trainer.lightning_module, self._loop, evaluation)
 
@@ -107,22 +107,10 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        self._ahead = self._loaders.counts_ahead(self._trainer().train_dataloader)
-        if self._counter is not None and self._counter.names and not self._ahead:
+        trainer = self._windows.trainer = self._trainer()
+        ahead = self._windows.ahead = self._loaders.counts_ahead(trainer.train_dataloader)
+        if self._counter is not None and self._counter.names and not ahead:
             raise ValueError(_PARTS_AFTER.format(list(self._counter.names)))
-
-    def _begin_train(self, batch_idx: int) -> None:
-        """Begins a train batch, before the callbacks' and the module's hooks: its replay, and its window's plan."""
-        loop, trainer = self._require_loop(), self._trainer()
-        # Lightning hands `batch_idx` one fetch late where `training_step` takes `dataloader_iter`; its epoch loop's
-        # own index counts this batch in both modes
-        index = train_batch_idx(trainer)
-        position = self._loaders.position(index)
-        participation = self._loaders.train
-        state = self._seam.batch = BatchState(position, participation.replay(position), participation.replays)
-        if self._ahead and not loop.open:
-            counts, totals = self._loaders.window(_window_size(trainer, index))
-            state.plan = (counts, loop.plan(counts, totals))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -133,7 +121,7 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
         # a step taking `dataloader_iter` counts the batch it fetched: the iterator itself is never touched
         batch = fetched_batch(module.trainer) if self._fetches_itself else args[0]
         step = read_output(output)
-        if self._ahead:
+        if self._windows.ahead:
             counter = self._counter if self._checks_batch and not state.replay else None
             loop.add(step, state.replay, counter.counts(batch) if counter is not None else [])
         else:
@@ -145,10 +133,7 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
         return output
 
     def counts_of(self, step: Output, batch: Any) -> list[Count]:
-        """The count rule, each part's: a ``"count"`` returned, else the ``ItemCounter``'s, else the batch size.
-
-        The batch size of a batch that combines several loaders is ambiguous, and refused.
-        """
+        """The count rule: a ``"count"`` returned, else each part's by ``ItemCounter``, else the batch size."""
         if step.count is not None:
             return [step.count]
         if self._counter is not None:
@@ -174,7 +159,7 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
         # Lightning divided the loss by `accumulate_grad_batches`: undone, the microbatch is weighted instead.
         loss = loop.backward_loss(closure_loss, trainer.accumulate_grad_batches)
         if self._seam.batch.ends_window:
-            loop.end(*self._facts())  # the exchange overlaps the window's last backward
+            loop.end(*self._windows.facts())  # the exchange overlaps the window's last backward
         try:
             return super().backward(loss, optimizer, *args, **kwargs)
         finally:
@@ -192,28 +177,10 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
                 self._require_loop().plan(*state.plan)
             state.ends_window = True
             result = closure()
-            self._finish()
+            self._windows.finish()
             return result
 
         return super().optimizer_step(optimizer, closure_then_finish_window, model, **kw)
-
-    def _facts(self) -> tuple[bool, list[float]]:
-        """Whether this rank holds real batches after the window, and counted ahead its items in the next one."""
-        trainer = self._trainer()
-        more = self._loaders.train.has_more(self._seam.batch.position)
-        following = _window_size(trainer, train_batch_idx(trainer) + 1) if self._ahead else 0
-        return more, self._loaders.following(following) if self._ahead else []
-
-    def _finish(self) -> None:
-        loop, trainer, state = self._require_loop(), self._trainer(), self._seam.batch
-        skipped = loop.skipped_steps
-        result = loop.finish(trainer.global_step, *self._facts())
-        self._loaders.train.after_window(loop.ranks_with_more, state.position, loop.engine.group, self.root_device)
-        if self._ahead:
-            self._loaders.received(loop.next_totals)
-        if loop.skipped_steps > skipped:
-            state.skipped = True
-            rank_zero_warn(f"The global item count of the window ending at step {result.step} is 0: {_SKIPPED}")
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
@@ -242,6 +209,67 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
     def _require_loop(self) -> WindowLoop:
         assert self._loop is not None, "the loop of windows is made at setup"
         return self._loop
+
+
+class TrainWindows:
+    """A fit's train windows: where each batch begins (its place, its replay, its window's plan) and each ends.
+
+    Counted ahead, a window's end counts the next window's batches (:meth:`facts`) and its exchange brings their
+    ``N``, which the next window's plan takes where its pass and size are the ones counted.
+    """
+
+    def __init__(self, loaders: FitLoaders) -> None:
+        self.loaders, self.seam = loaders, Seam(loaders, self.begin)
+        self.trainer: Trainer | None = None  # set as the fit starts training
+        self.loop: WindowLoop | None = None  # set at setup
+        self.ahead = False  # each window's counts are taken from its batches ahead
+        self._first = (0, 0)  # the pass in progress, and its first `batch_idx`
+        self._next: tuple[int, int, list[float] | None] | None = None  # the next window's pass, size and N
+
+    def begin(self, batch_idx: int) -> None:
+        """Begins a train batch, before the callbacks' and the module's hooks see it."""
+        assert self.loop is not None and self.trainer is not None
+        # Lightning hands `batch_idx` one fetch late where `training_step` takes `dataloader_iter`; its epoch loop's
+        # own index counts this batch in both modes
+        index = train_batch_idx(self.trainer)
+        stage, train = self.loaders.stage, self.loaders.train
+        position = index
+        if stage is not None:  # a pass counts from where it started, whatever `batch_idx` Lightning starts from
+            if self._first[0] != stage.passes:
+                self._first = (stage.passes, index)
+            position = stage.start + index - self._first[1]
+        state = self.seam.batch = BatchState(position, train.replay(position), train.replays)
+        if self.ahead and not self.loop.open:
+            assert stage is not None
+            counts = [list(part) for part in zip(*stage.take(_window_size(self.trainer, index)), strict=True)]
+            planned, self._next, size = self._next, None, len(counts[0]) if counts else 0
+            totals = planned[2] if planned is not None and planned[:2] == (stage.passes, size) and size else None
+            state.plan = (counts, self.loop.plan(counts, totals))
+
+    def facts(self) -> tuple[bool, list[float]]:
+        """Whether this rank holds real batches after the window, and counted ahead its items of the next one."""
+        assert self.trainer is not None
+        more, stage = self.loaders.train.has_more(self.seam.batch.position), self.loaders.stage
+        if not self.ahead:
+            return more, []
+        assert stage is not None
+        size = _window_size(self.trainer, train_batch_idx(self.trainer) + 1)
+        counts = stage.peek(size) if size > 0 else []
+        self._next = (stage.passes, len(counts), None)
+        parts = list(zip(*counts, strict=True)) if counts else []
+        return more, [sum(c.value for c in p if c.problem is None and isinstance(c.value, float)) for p in parts]
+
+    def finish(self) -> None:
+        """Ends the window after its last backward; its exchange brings the next window's ``N``, counted ahead."""
+        assert self.loop is not None and self.trainer is not None
+        loop, state, skipped = self.loop, self.seam.batch, self.loop.skipped_steps
+        result = loop.finish(self.trainer.global_step, *self.facts())
+        self.loaders.train.after_window(loop.ranks_with_more, state.position, loop.engine.group, loop.device)
+        if self.ahead and self._next is not None and self._next[1]:
+            self._next = (*self._next[:2], loop.next_totals)
+        if loop.skipped_steps > skipped:
+            state.skipped = True
+            rank_zero_warn(f"The global item count of the window ending at step {result.step} is 0: {_SKIPPED}")
 
 
 def _rules(trainer: Trainer, name: str) -> tuple[ItemCounter | None, bool, Wording]:
