@@ -1,15 +1,10 @@
 """Every private Lightning and PyTorch symbol this package uses, read or set through an accessor, in one place.
 
-What a weighted fit patches is in :mod:`lightning_weighted.trainer._seam`, each touch named with its reason and
-pinned by ``tests/unit/test_seam.py``; the loader extension is :mod:`lightning_weighted.extension`. Beyond these, one
-protected method of Lightning's is overridden, as Lightning's own subclasses do and where no
-public hook sits: ``FSDPStrategy._setup_model``, to wrap a module on the CPU (``trainer/fsdp1.py``).
-
-Each entry says why no public API serves; every one was checked on Lightning 2.6.0 and 2.6.6 with torch 2.9.0, 2.13.0
-and 2.15.0, the versions CI runs (``.ci/run``, ``.ci/versions``). Where torch moved a symbol between those releases,
-the entry branches here, and only here, on :data:`TORCH`, each branch naming the releases it serves.
-``tests/unit/test_compat.py`` pins each entry and each branch on whatever torch is installed (a branch for other
-releases is skipped there with the reason), so a release that moves one fails there with the entry's name.
+Each entry says why no public API serves, checked on the versions CI runs (``.ci/versions``); where torch moved a
+symbol, the entry branches here, and only here, on :data:`TORCH`, naming the releases each branch serves.
+``tests/unit/test_compat.py`` pins each entry and branch. What a fit patches is in
+:mod:`lightning_weighted.trainer._seam`; the one protected method overridden is ``FSDPStrategy._setup_model``, to
+wrap a module on the CPU (``trainer/fsdp1.py``).
 """
 
 from __future__ import annotations
@@ -67,11 +62,7 @@ FSDP2_TORCH = (2, 9)
 
 
 def require_torch(minimum: tuple[int, int], what: str) -> None:
-    """Raises unless the installed torch is at least ``minimum``, naming both versions and the fix.
-
-    Raises:
-        RuntimeError: the installed torch is older than ``minimum``.
-    """
+    """Raises ``RuntimeError`` unless the installed torch is at least ``minimum``, naming both and the fix."""
     if minimum > TORCH:
         needed = ".".join(map(str, minimum))
         raise RuntimeError(
@@ -119,10 +110,7 @@ def set_parallel_sizes(strategy: Any, data: int, tensor: int) -> None:
 
 
 def fsdp1_options(strategy: Any) -> tuple[str, dict[str, Any], dict[str, Any]]:
-    """A Lightning or Fabric ``FSDPStrategy``'s ``state_dict_type``, FSDP1 and activation-checkpointing arguments.
-
-    As each stores them: the Trainer's FSDP1 keyword arguments are ``kwargs``, Fabric's ``_fsdp_kwargs``.
-    """
+    """An ``FSDPStrategy``'s ``state_dict_type``, FSDP1 and checkpointing arguments (the Trainer's or Fabric's)."""
     kwargs = strategy._fsdp_kwargs if hasattr(strategy, "_fsdp_kwargs") else strategy.kwargs
     return strategy._state_dict_type, kwargs, strategy._activation_checkpointing_kwargs
 
@@ -134,11 +122,9 @@ LOADER_BARRIERS = {"train_dataloader()": "train", "val_dataloader()": "val", "te
 
 
 def unfloored(tensor: Tensor, reduce_op: object) -> Tensor:
-    """``tensor`` in float64 where it is an integer tensor about to be mean-reduced across ranks, else itself.
+    """``tensor`` in float64 where it is an integer tensor about to be mean-reduced, else itself.
 
-    Lightning's logging mean-reduces its integer batch-size sums, and an integer mean floors (7 items on 2 ranks: 3,
-    Lightning issue #21859, open on 2.6.x and 2.7.x): the strategies' ``reduce`` (Fabric's ``all_reduce``) pass each
-    tensor through this first.
+    Lightning's logging mean-reduces integer batch-size sums, whose mean floors (Lightning issue #21859, 2.6-2.7).
     """
     if not tensor.is_floating_point() and str(reduce_op).lower().rsplit(".", 1)[-1] in ("mean", "avg"):
         return tensor.double()
@@ -153,10 +139,7 @@ def augment_message(exception: BaseException, pattern: str, message: str) -> Non
 
 
 def forward_redirection(strategy: Any, wrapper: nn.Module, module: nn.Module, name: str, *args: Any) -> Any:
-    """``module.<name>(*args)`` run through FSDP1's root ``wrapper``, as Lightning runs ``training_step``.
-
-    The audit re-runs ``training_step`` this way: FSDP1 gathers its parameters only inside the root's forward.
-    """
+    """``module.<name>(*args)`` through FSDP1's root ``wrapper``, which gathers parameters only in its forward."""
     return strategy._forward_redirection(wrapper, module, name, *args)
 
 
@@ -166,29 +149,17 @@ def combined_mode(fit_loop: Any) -> str:
 
 
 def fetched_batch(trainer: Any) -> Any:
-    """The batch a ``training_step`` taking ``dataloader_iter`` fetched last, as Lightning's fetcher keeps it.
-
-    Lightning hands the step an iterator and keeps what it yielded on the fetcher (``_DataLoaderIterDataFetcher``);
-    there is no public view of it.
-    """
+    """The batch a ``training_step`` taking ``dataloader_iter`` fetched last (only on Lightning's fetcher)."""
     return getattr(trainer.fit_loop._data_fetcher, "_batch", None)
 
 
 def train_batch_idx(trainer: Any) -> int:
-    """The ``batch_idx`` of the train batch in progress, as Lightning's epoch loop counts it.
-
-    The hooks' own ``batch_idx`` comes one fetch late where ``training_step`` takes ``dataloader_iter``; the epoch
-    loop's counts the batch in progress in both modes, and has no public view.
-    """
+    """The ``batch_idx`` of the train batch in progress, as the epoch loop counts it (no public view)."""
     return int(trainer.fit_loop.epoch_loop.batch_idx)
 
 
 def train_progress(trainer: Any) -> tuple[int, bool]:
-    """How many batches of the train epoch in progress were processed, and whether the last one was.
-
-    A checkpoint resumes after the processed batches, in a new epoch where the last one was (Lightning's
-    ``batch_progress``, which has no public view).
-    """
+    """How many batches of the train epoch were processed, and whether the last was (``batch_progress``, private)."""
     progress = trainer.fit_loop.epoch_loop.batch_progress
     return int(progress.current.processed), bool(progress.is_last_batch)
 
@@ -205,10 +176,7 @@ def join_enabled(ddp: nn.Module) -> bool:
 
 
 def multiply(tensors: list[Tensor], factor: Tensor | float) -> None:
-    """Multiplies ``tensors`` (same device and dtype) in place by ``factor`` in one fused pass.
-
-    ``torch._foreach_mul_`` is what ``torch.optim`` and ``clip_grad_norm_`` use; there is no public fused multiply.
-    """
+    """Multiplies ``tensors`` (one device and dtype) in place, fused as ``torch.optim`` does (no public API)."""
     torch._foreach_mul_(tensors, factor)
 
 
@@ -230,10 +198,7 @@ def fsdp2_param_groups(module: nn.Module) -> list[Any]:
 def fsdp2_policies(group: Any) -> list[Any]:
     """The ``MixedPrecisionPolicy`` each parameter of an FSDP2 parameter group computes and reduces under.
 
-    Up to torch 2.14 the group's one policy; from 2.15 each parameter's own (``FSDPParam.mp_policy``), which
-    ``param_dtype_override_fn`` may resolve differently per parameter. (2.15 also reduces in the gradient's dtype
-    where ``reduce_dtype`` is None, no longer in ``param_dtype``; either way no float16 reaches a reduction unless
-    a policy or a parameter names it, which is what the engine checks.)
+    Up to torch 2.14 the group's one policy; from 2.15 each parameter's own (``param_dtype_override_fn``).
     """
     if TORCH < (2, 15):  # torch 2.9-2.14
         return [group.mp_policy]
@@ -269,11 +234,7 @@ def reduce_scatter(output: Tensor, source: Tensor, group: Any, op: Any, async_op
 
 
 def metric_snapshot(metric: Any) -> tuple[dict[str, Any], int, Any]:
-    """A torchmetrics ``Metric``'s accumulated state, its update count and cached result, to put back later.
-
-    A replayed batch runs the user's step, metric updates and their syncs included (collectives every rank takes
-    part in), and must leave no trace; torchmetrics has no public way to set the update count back.
-    """
+    """A ``Metric``'s state, update count and cached result, to put back after a replay (no public setter)."""
     state = {name: _copied(value) for name, value in metric.metric_state.items()}
     return state, metric._update_count, metric._computed
 
@@ -292,11 +253,9 @@ def _copied(value: Any) -> Any:
 
 
 def set_sampler(loader: DataLoader[Any], sampler: Any, keep: bool = False) -> None:
-    """Replaces the sampler of a built ``DataLoader``, whose ``__setattr__`` refuses it after ``__init__``.
+    """Replaces the sampler of a built ``DataLoader`` (whose ``__setattr__`` refuses it), keeping what it set up.
 
-    Lightning's own way (``_update_dataloader``) builds the loader anew, which loses what a subclass set up.
-    ``keep``: replace it only in the batch sampler (where ``loader.sampler`` is another one, as torchdata's
-    ``StatefulDataLoader`` holds it).
+    ``keep``: only in the batch sampler (where ``loader.sampler`` is another, as ``StatefulDataLoader`` holds it).
     """
     batches: Any = loader.batch_sampler
     if batches is not None:

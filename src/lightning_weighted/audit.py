@@ -1,20 +1,11 @@
 """``ObjectiveAudit``: checks that an optimizer step's gradient is the gradient of the global item mean.
 
-On an audited step, once every rank's gradient is synchronized and before the optimizer uses it, the audit
-
-1. re-runs ``training_step`` for each microbatch of the window on the unwrapped module (same RNG state, buffers
-   restored afterwards, ``self.log`` ignored) and takes ``torch.autograd.grad`` of each microbatch's loss (of each
-   loss part), never touching ``.grad``: this rank's gradient sum of each part is ``S_kr = Σ_m n_krm · ḡ_krm``;
-2. sums the counts ``n_kr`` over the ranks (``N_k``), then ``Σ_k S_kr / N_k``, in float64, so every rank holds the
-   intended gradient ``g*`` (the objective is stated in :mod:`lightning_weighted.window`);
-3. compares ``g*`` with the gradient in ``.grad``: ``objective_error = max|g - g*| / max|g*|``;
-4. all-gathers per-rank checksums of parameters and gradients: ``replica_error`` is their largest relative spread
-   across ranks, 0 when the replicas agree.
-
-Nothing depends on the strategy that produced ``.grad``, so the audit measures plain ``"ddp"`` as well as
-``"ddp_weighted"``, and plain FSDP2 and FSDP1 as well as the weighted ones: there it differentiates the whole
-parameters each forward computes with and compares whole gradients (:class:`Targets`). On the worked trace plain
-DDP's gradient is 2.0 where ``g* = 2.5``: an objective error of 0.2.
+On an audited step, before the optimizer uses the synchronized gradient ``g``, the audit re-runs each microbatch's
+``training_step`` and takes ``torch.autograd.grad`` of its loss (never touching ``.grad``), sums ``Σ_m n_m · ḡ_m``
+and the counts over the ranks in float64 into the intended gradient ``g*`` (:mod:`lightning_weighted.window`), and
+reports ``objective_error = max|g - g*| / max|g*|`` and ``replica_error``, the spread of the ranks' checksums of
+parameters and gradients. It measures plain strategies as well as weighted ones (under FSDP, whole gradients of the
+whole parameters, :class:`Targets`): on the worked trace plain DDP's 2.0 against ``g* = 2.5`` is an error of 0.2.
 """
 
 from __future__ import annotations
@@ -81,13 +72,7 @@ class AuditReport:
 
 
 def relative_error(actual: Tensor, expected: Tensor) -> float:
-    """``max|actual - expected| / max|expected|``: 0 when both are zero, ``inf`` when only ``expected`` is.
-
-    Example::
-
-        >>> relative_error(torch.tensor([2.0]), torch.tensor([2.5]))
-        0.2
-    """
+    """``max|actual - expected| / max|expected|``: 0 when both are zero, ``inf`` when only ``expected`` is."""
     scale = float(expected.abs().max()) if expected.numel() else 0.0
     difference = float((actual - expected).abs().max()) if expected.numel() else 0.0
     if scale == 0:
@@ -112,31 +97,17 @@ def spread(rows: Tensor) -> float:
 class ObjectiveAudit(Callback):
     """Checks, every ``every_n_steps`` optimizer steps, the synchronized gradient against the global item mean.
 
-    Counts come from ``training_step``'s ``{"loss": local_mean, "count": n}``, else from the
-    :class:`~lightning_weighted.ItemCounter` the weighted strategy counts with, else from the batch size; a batch that
-    ``ddp_weighted`` replays on a rank out of data (``padding_step``) counts 0, as in training. The
-    audit caches the batches of audited windows only and costs one extra forward and backward per cached
-    microbatch, a float64 copy of the gradients and two collectives, one of gradient size; under FSDP each rank
-    also holds the whole parameters and gradients while it audits (one all-gather of each). The re-run runs
-    with the RNG state of the original microbatch (CPU and the CUDA device), so dropout draws the same masks;
-    buffers it changes (BatchNorm statistics) are restored and its ``self.log`` calls are ignored. Other side
-    effects of ``training_step`` happen twice on audited microbatches unless guarded by :func:`is_audit_rerun`.
+    Counts are the training count rule's (a replay counts 0). An audited window costs one more forward and backward
+    per microbatch, a float64 copy of the gradients and two collectives (under FSDP, the whole parameters and
+    gradients too). The re-run takes each microbatch's RNG state, restores the buffers and ignores ``self.log``;
+    other side effects of ``training_step`` happen twice unless guarded by :func:`is_audit_rerun`. Each audited
+    step goes to the loggers as ``audit/objective_error``, ``audit/replica_error`` and ``audit/imbalance`` (at
+    ``step = global_step``), to rank 0's INFO log, and to :attr:`reports`.
 
     Args:
-        every_n_steps: audit the optimizer steps whose ``global_step`` is a multiple of it; ``None`` (the
-            default) turns the audit off.
-        on_mismatch: ``"warn"`` (rank 0 warns) or ``"raise"`` (every rank raises
-            :class:`ObjectiveMismatchError`) when an error exceeds ``rtol``.
+        every_n_steps: audit the steps whose ``global_step`` is a multiple of it; ``None`` (default): no audit.
+        on_mismatch: ``"warn"`` (rank 0) or ``"raise"`` (every rank, :class:`ObjectiveMismatchError`) beyond ``rtol``.
         rtol: the largest objective or replica error accepted; ``1e-3`` leaves room for fp32 and fp16 rounding.
-
-    Each audited step is sent to the trainer's loggers as ``audit/objective_error``, ``audit/replica_error`` and
-    ``audit/imbalance`` (at ``step = global_step``), reported by rank 0 at INFO level and kept in :attr:`reports`.
-
-    Example::
-
-        >>> audit = ObjectiveAudit(every_n_steps=100, on_mismatch="raise")
-        >>> audit.reports
-        []
     """
 
     def __init__(
@@ -294,13 +265,7 @@ _rerunning = False  # True while an audit re-runs `training_step`
 def is_audit_rerun() -> bool:
     """Whether ``training_step`` is being re-run by an :class:`~lightning_weighted.ObjectiveAudit`, not trained on.
 
-    The audit runs ``training_step`` a second time on audited microbatches. ``self.log`` calls are ignored
-    during the re-run; guard any other side effect (a counter, a ``torchmetrics`` update) with this.
-
-    Example::
-
-        >>> is_audit_rerun()
-        False
+    Its ``self.log`` calls are ignored; guard any other side effect (a counter, a ``torchmetrics`` update) with this.
     """
     return _rerunning
 
@@ -325,8 +290,7 @@ def local_sums(
 ) -> tuple[list[Tensor], list[float], float]:
     """Re-runs the window's microbatches; returns each part's ``Σ_m n_m · ḡ_m``, its ``Σ_m n_m``, and 1.0 if invalid.
 
-    ``params`` are the whole parameters (shapes of the gradient). Under FSDP every microbatch's backward runs, also
-    one that counts nothing, since its all-gathers are collectives every rank takes part in.
+    ``params``: the whole parameters. Sharded, every backward runs, whose all-gathers every rank takes part in.
     """
     strategy = trainer.strategy
     names = (
@@ -422,8 +386,7 @@ class Targets:
 
     Args:
         module: the ``LightningModule`` (its submodules may be FSDP2 modules or FSDP1 units).
-        root: the FSDP1 root that wraps ``module``, or ``None``; the whole values of its units are read inside
-            ``summon_full_params``.
+        root: the FSDP1 root that wraps ``module`` (read inside ``summon_full_params``), or ``None``.
     """
 
     def __init__(self, module: nn.Module, root: nn.Module | None = None) -> None:
@@ -438,10 +401,9 @@ class Targets:
 
     @contextlib.contextmanager
     def used(self) -> Iterator[list[Tensor]]:
-        """For the forward run inside the block: the tensor each parameter's module computed with.
+        """For the forward run inside the block: the tensor each parameter's module computed with (else itself).
 
-        Under FSDP that is the whole (unsharded) parameter, differentiable where the shard outside a forward is not;
-        a parameter whose module did not run (or that is used outside its module's forward) is itself.
+        Under FSDP that is the whole parameter, differentiable where the shard outside a forward is not.
         """
         tensors: list[Tensor] = [getattr(owner, name) for owner, name in self.owners]
         slots: dict[nn.Module, list[tuple[int, str]]] = {}
@@ -460,10 +422,7 @@ class Targets:
                 hook.remove()
 
     def values(self, gradients: bool = False) -> list[Tensor | None]:
-        """Every parameter (or its gradient, ``None`` where there is none) whole, the same on every rank.
-
-        A collective under FSDP: every rank calls it at the same point.
-        """
+        """Every parameter (or gradient, ``None`` where none) whole, the same on every rank: a collective under FSDP."""
         with self._summoned(gradients):
             values = [getattr(owner, name) for owner, name in self.owners]
             if gradients:

@@ -42,8 +42,7 @@ def count_tokens(
         key: where the labels or mask sit: a dict key or a tuple index.
         ignore_index: the label that marks a token the loss ignores.
         mask: whether ``batch[key]`` is a 0/1 mask rather than labels.
-        shift: count ``labels[..., 1:]``, the targets of a causal LM whose loss compares ``logits[..., :-1]``
-            with ``labels[..., 1:]``, so that the count equals the loss's own denominator.
+        shift: count ``labels[..., 1:]``, the targets of a causal LM (the loss's own denominator).
 
     Example::
 
@@ -72,12 +71,9 @@ def count_weights(batch: Any, key: str | int) -> Tensor:
 def count_documents(batch: Any, key: str | int = "position_ids") -> int | Tensor:
     """The documents of a packed batch: where ``position_ids`` restart at 0, or the spans of ``cu_seq_lens``.
 
-    A packed batch holds several sequences in one row, as Hugging Face's ``DataCollatorWithFlattening`` packs them.
-
     Args:
         batch: a dict or a tuple holding the positions or the boundaries.
-        key: where they sit: a key holding ``cu_seq_lens`` (any key with that in its name, as ``"cu_seq_lens_q"``)
-            is read as the cumulative lengths ``[0, l_0, l_0 + l_1, ...]``; any other as positions.
+        key: where they sit; a key with ``cu_seq_lens`` in its name holds cumulative lengths ``[0, l_0, ...]``.
 
     Example::
 
@@ -95,27 +91,20 @@ def count_documents(batch: Any, key: str | int = "position_ids") -> int | Tensor
 class ItemCounter(Callback):
     """How a weighted strategy counts each microbatch's items from the batch: a specification, with no state of a fit.
 
-    With this callback ``training_step`` may return a bare loss (the mean over the microbatch's valid items): the
-    strategy counts every batch on the host as the loader yields it, before the window's first forward (the fast
-    path of :mod:`lightning_weighted.window`'s two). Where it cannot (several train dataloaders), it counts each
-    microbatch as ``training_step`` receives it. A ``"count"`` that ``training_step`` still returns must agree. It is a
-    callback so that ``Trainer(callbacks=[ItemCounter(...)])`` (or a LightningCLI config) hands it to the strategy;
-    it logs nothing (:class:`~lightning_weighted.ItemMonitor` does).
+    ``training_step`` may then return a bare loss: each batch is counted on the host as the loader yields it, ahead
+    of the window (:mod:`lightning_weighted.window`), or, with several train dataloaders, as the step receives it. A
+    ``"count"`` still returned must agree. A callback, so that ``Trainer(callbacks=[...])`` hands it to the strategy.
 
     Args:
-        count: what to count: ``"examples"`` (:func:`count_examples`), ``"tokens"`` (:func:`count_tokens`),
-            ``"weights"`` (:func:`count_weights`), ``"documents"`` of packed rows (:func:`count_documents`), or a
-            function ``count_fn(batch) -> int | float | Tensor``, as ``ThroughputMonitor(batch_size_fn=...)``. A preset
-            counts a batch that combines several loaders over every loader's part; a function gets the whole batch.
-        key: where the labels, mask, weights or positions sit in the batch: a dict key, a tuple or list index, or
-            a NamedTuple's field name.
+        count: ``"examples"``, ``"tokens"``, ``"weights"``, ``"documents"`` (the ``count_*`` functions) or a
+            function ``count_fn(batch) -> int | float | Tensor``; a preset counts each loader's part of a batch.
+        key: where the labels, mask, weights or positions sit: a dict key, a tuple index or a NamedTuple field.
         ignore_index: the label that marks a token the loss ignores (``"tokens"`` with labels).
         mask: whether ``key`` holds a 0/1 mask rather than labels (``"tokens"``).
         shift: count the targets of a causal LM, ``labels[..., 1:]`` (``"tokens"``).
         integer: whether counts must be whole numbers; defaults to ``True`` for examples and tokens.
-        parts: named loss parts, each a mean over its own items and counted its own way (an ``ItemCounter``, a
-            preset or a function); ``training_step`` then returns ``{"loss": total, "parts": {name: mean, ...}}``
-            and each part is averaged over its own global count (``count`` and the others are not used).
+        parts: named loss parts, each counted its own way (an ``ItemCounter``, a preset or a function) and averaged
+            over its own ``N``; ``training_step`` returns ``{"loss": total, "parts": {name: mean, ...}}``.
 
     Example::
 
@@ -177,8 +166,8 @@ class ItemCounter(Callback):
 
         Args:
             batch: the microbatch.
-            host: read the counts on the host (a batch the loader yielded, before it moves to the device).
-            combined: the batch combines several loaders' batches (a ``CombinedLoader``'s): a preset counts each.
+            host: read the counts on the host (a batch the loader yielded, before it moves).
+            combined: the batch combines several loaders' batches: a preset counts each.
         """
         counters = list(self.parts.values()) or [self]
         return [read_count(c._combined(batch) if combined else c.count_of(batch), c.integer, host) for c in counters]

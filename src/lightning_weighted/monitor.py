@@ -1,9 +1,7 @@
 """Logging the weighted objective of each optimizer step: ``ItemMetrics``, and ``ItemMonitor``, its Trainer callback.
 
-As Lightning's ``Throughput`` computes throughput in a Fabric loop and ``ThroughputMonitor`` feeds it from a fit,
-:class:`ItemMetrics` computes what each window's :class:`~lightning_weighted.WindowResult` tells and
-:class:`ItemMonitor` feeds it every window of a fit and logs it. Neither counts anything: the counts are the
-strategy's (an :class:`~lightning_weighted.ItemCounter`'s, or those ``training_step`` or ``fabric.backward`` got).
+As ``ThroughputMonitor`` feeds Lightning's ``Throughput``, :class:`ItemMonitor` feeds :class:`ItemMetrics` each
+window's :class:`~lightning_weighted.WindowResult`. Neither counts anything: the counts are the strategy's.
 """
 
 from __future__ import annotations
@@ -31,24 +29,20 @@ _SHOWN = ("train/loss", "train/items_per_sec")  # in the progress bar
 class ItemMetrics:
     """The weighted objective of each optimizer step, from its window's result: a plain object, for a Fabric loop.
 
-    :meth:`update` takes each window's :class:`~lightning_weighted.WindowResult` (``strategy.last_window``), and
-    :meth:`compute` returns, for the last one, the values to log (``fabric.log_dict(metrics.compute())``):
+    :meth:`update` takes each window's result (``strategy.last_window``); :meth:`compute` returns the last one's
+    values to log (``fabric.log_dict(metrics.compute())``):
 
-    - ``train/loss``: the global item mean of the loss, ``Σ n·loss / N`` (absent where ``N = 0``); with loss parts,
-      the sum of their means, and each part's as ``train/loss/<part>``;
+    - ``train/loss``: ``Σ n·loss / N`` (absent where ``N = 0``; with parts, the sum of ``train/loss/<part>``);
     - ``train/items``: ``N`` (each part's as ``train/items/<part>``); ``train/items_local``: this rank's items;
     - ``train/items_per_sec``: ``N`` over the window's wall time (where :meth:`update` was given it);
-    - ``train/imbalance``: ``max_r P·n_r / N``, how far plain DDP would have skewed item influence (one 8-byte MAX
-      all-reduce over :attr:`group`);
-    - ``train/aux/<name>``: each auxiliary term's mean over the window's microbatches and ranks (one SUM all-reduce
-      of the terms over :attr:`group`).
+    - ``train/imbalance``: ``max_r P·n_r / N``, plain DDP's skew of item influence (one MAX all-reduce);
+    - ``train/aux/<name>``: each auxiliary term's mean over the window's microbatches and ranks (one SUM).
 
-    :meth:`end_epoch` returns ``train/loss_epoch``, the step losses' mean weighted by ``N``. :attr:`items_total`,
-    every window's ``N`` summed, is the state to checkpoint (:meth:`state_dict`).
+    :meth:`end_epoch` returns ``train/loss_epoch``, the steps' losses weighted by ``N``; :attr:`items_total`, every
+    ``N`` summed, is what a checkpoint keeps.
 
     Args:
-        group: the data-parallel ranks, ``strategy.data_parallel_group``, over which the collectives run (``None``:
-            every rank); tensor-parallel peers hold the same counts as their rank.
+        group: the data-parallel ranks (``strategy.data_parallel_group``; ``None``: every rank).
         device: where the collectives' tensors live (``fabric.device``).
         imbalance: compute ``train/imbalance``.
 
@@ -83,10 +77,9 @@ class ItemMetrics:
 
         Args:
             window: ``strategy.last_window``, once the window's last backward returned.
-            elapsed: the window's wall time in seconds, from its first microbatch to its end (``None``: no
-                ``train/items_per_sec``).
+            elapsed: the window's wall time in seconds (``None``: no ``train/items_per_sec``).
             aux: each auxiliary term summed over this rank's microbatches of the window (a replay adds nothing).
-            microbatches: the window's microbatches on this rank, replays included (each rank runs as many).
+            microbatches: the window's microbatches on this rank, replays included.
         """
         self._window, self._elapsed, self._aux, self._microbatches = window, elapsed, aux or {}, microbatches
         self.items_total += window.items
@@ -98,8 +91,7 @@ class ItemMetrics:
         """The values of the last window (nothing before the first), by the names they are logged under.
 
         Args:
-            collectives: add ``train/imbalance`` and ``train/aux/<name>``, which take one all-reduce each over
-                :attr:`group`: every rank of it calls :meth:`compute` alike. ``False`` leaves them out.
+            collectives: add ``train/imbalance`` and ``train/aux/<name>`` (one all-reduce each: every rank calls).
         """
         window = self._window
         if window is None:
@@ -121,10 +113,7 @@ class ItemMetrics:
         return values
 
     def end_epoch(self) -> dict[str, float]:
-        """Ends the epoch: returns its ``train/loss_epoch``, the step losses' mean weighted by ``N``.
-
-        Nothing where every ``N`` was 0. The next window starts a new epoch.
-        """
+        """Ends the epoch: returns its ``train/loss_epoch`` (nothing where every ``N`` was 0)."""
         total, items = self._epoch
         self._epoch = [0.0, 0.0]
         return {"train/loss_epoch": total / items} if items > 0 else {}
@@ -138,7 +127,7 @@ class ItemMetrics:
         self.items_total = float(state_dict["items_total"])
 
     def _imbalance(self, window: WindowResult) -> float:
-        """:func:`~lightning_weighted.counts.imbalance` over the window's ranks, from one MAX of their counts."""
+        """:func:`~lightning_weighted.window.imbalance` over the window's ranks, from one MAX of their counts."""
         if window.items <= 0 or not dist.is_initialized():
             return 1.0
         largest = torch.tensor(window.local_items, dtype=torch.float64, device=self.device)
@@ -146,10 +135,7 @@ class ItemMetrics:
         return imbalance(float(largest), window.items, dist.get_world_size(self.group))
 
     def _aux_means(self) -> dict[str, Tensor]:
-        """Each auxiliary term's mean over the window's microbatches and ranks, from one SUM of every rank's sums.
-
-        The weight the strategies give the terms (each microbatch of each rank alike); a replayed batch adds 0.
-        """
+        """Each auxiliary term's mean over the window's microbatches and ranks, as the strategies weigh them."""
         names = sorted(self._aux)
         stacked = torch.stack([torch.as_tensor(self._aux[name], dtype=torch.float64) for name in names])
         ranks = 1
@@ -163,23 +149,12 @@ class ItemMetrics:
 class ItemMonitor(Callback):
     """Logs the weighted objective of every optimizer step of a weighted strategy, as :class:`ItemMetrics` computes it.
 
-    Per optimizer step, ``train/loss``, ``train/items``, ``train/items_local`` and ``train/items_per_sec`` (``N``
-    over the wall time from the step's first microbatch to its end; the loss and the rate in the progress bar); on
-    the steps Lightning logs (every ``log_every_n_steps``), ``train/imbalance`` and each auxiliary term
-    ``training_step`` returns (``"aux"``) as ``train/aux/<name>``, at one all-reduce each over the data-parallel
-    ranks; at each epoch's end, ``train/loss_epoch``. Every value is global already (no ``sync_dist``), and a
-    float64 tensor in a ``64-true`` run. The counts are the strategy's, from an
-    :class:`~lightning_weighted.ItemCounter` or from ``training_step``. :attr:`items_total`, every step's ``N``
-    summed, is kept in checkpoints.
+    Every step's values (the loss and the rate in the progress bar), with ``train/imbalance`` and the ``"aux"`` terms
+    ``training_step`` returns only on the steps Lightning logs; ``train/loss_epoch`` at each epoch's end. Every value
+    is global already (no ``sync_dist``), and float64 in a ``64-true`` run; :attr:`items_total` is checkpointed.
 
     Args:
         imbalance: log ``train/imbalance``.
-
-    Example::
-
-        >>> monitor = ItemMonitor()
-        >>> monitor.items_total
-        0.0
     """
 
     def __init__(self, imbalance: bool = True) -> None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -167,10 +167,8 @@ class Count:
     """One microbatch's count, checked.
 
     Attributes:
-        value: the number of valid items (or the sum of sample weights): a float, or a float64 0-dim tensor on the
-            count's device (never read on the host); the offending value when invalid.
-        problem: why it cannot be weighted: a :class:`Problem`, ``None``, or for a tensor count a float64 0-dim
-            tensor holding the problem's number (0: valid).
+        value: the number of valid items (or weights' sum): a float, or a float64 0-dim tensor never read on the host.
+        problem: a :class:`Problem`, ``None``, or for a tensor count a float64 0-dim tensor of its number (0: valid).
         implicit: the batch size was counted only because nothing gave a count.
     """
 
@@ -231,8 +229,7 @@ class WindowResult:
         step: the optimizer step (``global_step``) the window ended at.
         items: the global item count ``N`` (with several parts, the sum of theirs); 0: the step changed nothing.
         local_items: this rank's items in the window.
-        loss: the global item mean of the loss, ``Σ_r Σ_m n_rm · loss_rm / N`` (with parts, the sum of their means;
-            NaN where ``N = 0``).
+        loss: ``Σ_r Σ_m n_rm · loss_rm / N`` (with parts, the sum of their means; NaN where ``N = 0``).
         parts: each named part's own result (empty for one unnamed loss).
     """
 
@@ -244,11 +241,7 @@ class WindowResult:
 
 
 class Slot(IntEnum):
-    """The fields of one window's float64 payload; those before :data:`LOCAL` are summed over the ranks.
-
-    Float64 holds every integer up to 2**53, so counts stay exact; each field is a value of its own, so a
-    non-finite loss never touches the counts.
-    """
+    """The fields of one window's float64 payload (exact counts up to 2**53); those before :data:`LOCAL` are summed."""
 
     ITEMS = 0  # Σ_m n_m over this rank's window
     NEXT = 1  # counted ahead: Σ_m n_m over this rank's next window
@@ -462,8 +455,7 @@ def _index(slots: tuple[Slot, ...], device: torch.device) -> Tensor:
 def problem_error(rows: Sequence[Sequence[float]], wording: Wording = TRAINER) -> Exception:
     """The one error every rank raises, from every rank's ``[problem, value]`` (``0``: none), in rank order.
 
-    Every rank gathers the same rows, so every rank raises the same error: one rank's problem names the rank and
-    quotes its value; a problem several ranks share is named once; different ones are counted.
+    One rank's problem names the rank and quotes its value; one several ranks share is named once; others counted.
 
     Example::
 
@@ -489,13 +481,7 @@ def _format(what: str, value: object, wording: Wording) -> str:
 
 
 def _quoted(value: float) -> int | float:
-    """A count as a message quotes it: a whole number as an int (``-29``, not ``-29.0``), any other as it is.
-
-    Example::
-
-        >>> _quoted(-29.0), _quoted(2.5), _quoted(float("nan")), _quoted(1e20)
-        (-29, 2.5, nan, 1e+20)
-    """
+    """A count as a message quotes it: a whole number as an int (``-29``, not ``-29.0``), any other as it is."""
     return int(value) if abs(value) < 2**53 and value.is_integer() else value
 
 
@@ -508,6 +494,3 @@ def imbalance(largest: float, items: float, ranks: int) -> float:
         1.5
     """
     return ranks * largest / items if items > 0 else 1.0
-
-
-Rows = Callable[[], Sequence[Sequence[float]]]

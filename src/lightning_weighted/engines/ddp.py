@@ -31,12 +31,7 @@ class DDPEngine(FiniteGradients):
         self._parameters = tuple(ddp.parameters())  # DDP's parameters are fixed once it wraps the model
 
     def empty(self, loss: Tensor | None) -> Tensor:
-        """``0 · loss`` through its own graph; each parameter keeps the finite values of its gradient.
-
-        DDP's reducer sees every parameter of the graph ready, sparse ones sparse (see
-        :mod:`lightning_weighted.engines`). A loss without a graph (a microbatch the window refuses) becomes
-        :func:`zero_loss`.
-        """
+        """``0 · loss`` through its own graph, each gradient's finite values kept; graphless, :func:`zero_loss`."""
         if loss is None or loss.grad_fn is None:
             return zero_loss(self.module)
         self._cut(p for p in self._parameters if p.requires_grad)

@@ -1,11 +1,8 @@
 """FSDP1 (``FullyShardedDataParallel``): a communication hook SUM-reduce-scatters, an empty microbatch adds zeros.
 
-The hook (registered on the root before its first forward) replaces FSDP1's division by the world size, so the
-sharded gradient is the SUM over the ranks (:math:`D = 1`). Under ``no_sync`` it runs once per window, on the
-gradient accumulated over the window's microbatches, so a microbatch known to hold no item backpropagates
-``0 · loss``, whose own NaN (0/0) is cut before it accumulates, on FSDP1's flat parameters. Sharded strategies only
-(``FULL_SHARD``, ``SHARD_GRAD_OP``): FSDP1 refuses hooks for the hybrid ones, and ``NO_SHARD`` would SUM an
-accumulated gradient twice.
+The hook replaces FSDP1's division by the world size (:math:`D = 1`); under ``no_sync`` it runs once per window, so
+an empty microbatch's own NaN is cut on FSDP1's flat parameters before it accumulates. Sharded strategies only:
+FSDP1 refuses hooks for the hybrid ones, and ``NO_SHARD`` would SUM an accumulated gradient twice.
 """
 
 from __future__ import annotations
@@ -75,10 +72,9 @@ def _sum_reduce_scatter(engine: FSDP1Engine, grad: Tensor, output: Tensor | None
 
 
 def wrapped_on_cpu(strategy: Any, module: nn.Module) -> nn.Module | None:
-    """``module`` wrapped by a Lightning or Fabric ``FSDPStrategy`` on the CPU, where Lightning cannot wrap it.
+    """``module`` wrapped by an ``FSDPStrategy`` on the CPU, which Lightning cannot (it passes the index ``None``).
 
-    Lightning passes the device's index, which is ``None`` on the CPU; FSDP1 needs the CPU named. ``None`` where the
-    strategy's device is not the CPU, or the module holds FSDP1 units already.
+    ``None`` where the strategy's device is not the CPU, or the module holds FSDP1 units already.
     """
     from torch.distributed.fsdp import FullyShardedDataParallel
 

@@ -1,11 +1,8 @@
 r"""FSDP2 (``fully_shard``): every ``FSDPModule`` SUM-reduces, and an empty microbatch's own NaN never reaches it.
 
-Each ``FSDPModule`` gets a divide factor of 1 with SUM-only reductions (:math:`D = 1`; no ``PREMUL_SUM``, which
-gloo lacks) and a reduce-scatter that cuts the non-finite values of a microbatch known to hold no item: its mean
-may be NaN (0/0), and its backward must still run, since its all-gathers and reduce-scatters are collectives every
-rank takes part in. Counts are summed over the data-parallel ranks only (replicate × shard with HSDP), never over
-tensor-parallel peers, which hold the same batch. The worked trace on 2 ranks, counted after: the SUM gives
-:math:`2 \cdot 1 + 6 \cdot 3 = 20` on every shard, times :math:`D c / N = 1/8`: 2.5.
+Each ``FSDPModule`` gets a divide factor of 1 with SUM-only reductions (:math:`D = 1`; gloo lacks ``PREMUL_SUM``) and
+a reduce-scatter that cuts the non-finite values of an empty microbatch, whose backward runs all the same (its
+collectives are every rank's). Counts are summed over the data-parallel ranks only, never over tensor-parallel peers.
 """
 
 from __future__ import annotations
@@ -44,10 +41,8 @@ class FSDP2Engine:
         group: the data-parallel group the window's counts are summed over.
 
     Raises:
-        RuntimeError: the installed torch is older than 2.9, which lacks FSDP2 methods the engine calls.
-        ValueError: a trainable parameter is not sharded (its gradient would not be reduced), a module computes
-            or reduces in fp16 (item sums overflow it), or a module replicates without sharding (HSDP with a shard
-            dimension of size 1), whose reduction the zeroing cannot reach.
+        RuntimeError: torch older than 2.9, which lacks FSDP2 methods the engine calls.
+        ValueError: an unsharded trainable parameter, fp16 computation or reduction, or replicas without shards.
     """
 
     divisor = 1
@@ -117,11 +112,9 @@ class _ZeroingReduceScatter:
 def shard_blocks(module: nn.Module, mesh: Any) -> nn.Module:
     """``fully_shard`` each submodule that owns its trainable parameters alone, outermost first, then the root.
 
-    The default ``parallelize_fn`` of Fabric's ``"fsdp2_weighted"``, over ``mesh["data_parallel"]``; under the
-    Trainer, ``configure_model`` calls ``shard_blocks(self.model, self.device_mesh)``. A submodule
-    sharing a parameter with another (tied embeddings: a Hugging Face model's ``wte`` and ``lm_head``) is not
-    sharded on its own, as torch requires: its submodules are, and the shared parameter stays with the root.
-    Containers (``ModuleList``, ``ModuleDict``) run no forward of their own, so their entries are sharded instead.
+    Fabric's default ``parallelize_fn`` (over ``mesh["data_parallel"]``); under the Trainer, ``configure_model`` calls
+    ``shard_blocks(self.model, self.device_mesh)``. A parameter shared by submodules (tied embeddings) stays with
+    the root, as torch requires; a container (``ModuleList``) runs no forward, so its entries are sharded instead.
     """
     from torch.distributed.fsdp import fully_shard
 

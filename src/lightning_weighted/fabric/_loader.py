@@ -1,10 +1,8 @@
 """The batches a loader set up by a weighted Fabric strategy yields, each rank stepping until every rank is done.
 
-No Trainer hook marks a batch in a Fabric loop, so the loader does (:class:`FabricLoader`): as it yields a batch it
-records, in :class:`Yielded`, whether that batch is a replay, by the one rule of
-:meth:`~lightning_weighted.loaders.Participation.replay`. A backward belongs to the batch yielded last; a window
-counted ahead (``count_ahead``) to the batches yielded last, as many as it counts, whatever the loop skipped,
-repeated or crossed (an epoch's end) before them.
+No Trainer hook marks a batch in a Fabric loop, so the loader records in :class:`Yielded` whether each batch it
+yields is a replay. A backward belongs to the batch yielded last; a window counted ahead to the batches yielded
+last, as many as it counts.
 """
 
 from __future__ import annotations
@@ -42,11 +40,9 @@ class Yielded:
 class FabricLoader:
     """Yields a rank's batches until every rank is done; an exhausted rank replays a batch, counted as 0.
 
-    ``fabric.setup_dataloaders`` returns it (inside Fabric's own wrapper) under a weighted strategy where the ranks'
-    batch counts differ. An epoch ends where :mod:`lightning_weighted.loaders.epoch` says: a sized loader after the
-    longest rank's last batch; an unsized one at the first window end where no rank has data left, or, in a loop
-    that runs no backward between its batches (evaluation), where this rank's own data ends, as with plain Fabric.
-    Attributes (``sampler``, ``batch_sampler``, ...) are the wrapped loader's, so Fabric's ``set_epoch`` reaches it.
+    Where the ranks' batch counts differ, ``fabric.setup_dataloaders`` returns it. An epoch ends as
+    :mod:`lightning_weighted.loaders.epoch` says, or, unsized in a loop without backward (evaluation), where this
+    rank's data ends. Attributes are the wrapped loader's, so Fabric's ``set_epoch`` reaches it.
     """
 
     def __init__(self, loader: Any, participation: Participation, yielded: Yielded) -> None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -15,7 +16,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_weighted._compat import unfloored
+from lightning_weighted._compat import BackwardSyncControl, unfloored
 from lightning_weighted.engines import Engine
 from lightning_weighted.fabric._loader import FabricLoader, Yielded
 from lightning_weighted.loaders import Participation, Policy, marked, participating, without_padding
@@ -28,10 +29,8 @@ __all__ = ["WeightedFabricStrategy"]
 class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
     """The hooks of a weighted Fabric strategy, each a call into one :class:`~lightning_weighted.loop.WindowLoop`.
 
-    A strategy puts it before its Fabric strategy (``class S(WeightedFabricStrategy, DDPStrategy)``), builds its
-    engine when the model is set up (:meth:`_start`), and says whether a backward syncs (:meth:`_syncs`) and how to
-    keep a syncing backward local (:meth:`_local`). After a window whose global ``N`` was 0 the ``optimizer.step()``
-    calls are skipped (``skipped_steps``); ``last_window`` is the result of the last window.
+    Put before a Fabric strategy (``class S(WeightedFabricStrategy, DDPStrategy)``), with :meth:`_start`,
+    :meth:`_syncs` and :meth:`_local`. The ``optimizer.step()`` after a window whose global ``N`` was 0 is skipped.
     """
 
     strategy_name: str
@@ -65,14 +64,10 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
     def count_ahead(self, counts: Sequence[object] | Mapping[str, Sequence[object]], integer: bool = False) -> None:
         """Hands over the counts of the next window's microbatches, fetched already, before its first forward.
 
-        The fast path of a loop that knows its window ahead (as torchtitan counts): one SUM of the counts over the
-        ranks follows, left on the device, and every loss of the window is scaled by ``D n / N`` before its
-        backward, with nothing to multiply after it. ``fabric.backward`` takes the counts in order (a ``count=``
-        passed there too must agree). A count in host memory (a batch's, before the batch moves) is read there, one
-        on a device stays there; ``integer``: they must be whole numbers (examples, tokens). A dict of named parts,
-        each its own counts (``{"policy": [...], "kl": [...]}``), averages each part over its own ``N``;
-        ``fabric.backward(loss, parts={...})`` then passes each part's loss. The batches yielded last, as many as
-        counted, are the window's: a replay among them counts 0.
+        Counts ahead (:mod:`lightning_weighted.window`, ``docs/fabric.md``): ``fabric.backward`` takes them in order
+        (a ``count=`` given there must agree); the batches yielded last, as many as counted, are the window's, a
+        replay among them counting 0. A count in host memory is read there; ``integer``: whole numbers only. A dict
+        of named parts (``{"policy": [...], "kl": [...]}``) averages each over its own ``N``.
         """
         loop = self._require_loop()
         named = dict(counts) if isinstance(counts, Mapping) else {"": counts}
@@ -80,14 +75,11 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
         size = max((len(c) for c in named.values()), default=0)
         replays = self._yielded.replays(size)
         replays = [False] * (size - len(replays)) + replays
-        planned = [
-            [
-                Count(0.0) if replay else read_count(c, integer, host=_in_host_memory(c))
-                for c, replay in zip(part, replays, strict=False)
-            ]
-            for part in named.values()
-        ]
-        loop.plan(planned)
+
+        def read(count: object) -> Count:
+            return read_count(count, integer, host=not isinstance(count, Tensor) or count.device.type == "cpu")
+
+        loop.plan([[Count(0.0) if r else read(c) for c, r in zip(p, replays, strict=False)] for p in named.values()])
         self._planned = deque(replays)
 
     def _syncs(self) -> bool:
@@ -114,19 +106,15 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
         """``fabric.backward(loss, count=n)``: backpropagates ``loss`` weighted by its count within the window.
 
         Args:
-            tensor: the microbatch's mean over its ``count`` valid items (their sum with ``reduction="sum"``); with
-                ``parts``, what plain Fabric would train (it is not used).
+            tensor: the mean over the microbatch's ``count`` valid items (their sum with ``reduction="sum"``); with
+                ``parts``, what plain Fabric would train (not used).
             module: what Fabric passes (the module given as ``model=``, or ``None``).
             *args: passed on to the precision plugin's backward.
-            count: the number of valid items (or the sum of sample weights): an int, a float or a 0-dim tensor,
-                finite and ``>= 0``; an invalid or missing one raises on every rank when the window ends.
+            count: the number of valid items (or the sum of sample weights), finite and ``>= 0``.
             reduction: ``"mean"`` or ``"sum"``, what ``tensor`` (each part) is over the items.
-            window_end: whether this backward ends the window; by default the one outside
-                ``fabric.no_backward_sync(model)`` does (``False`` keeps a syncing backward local).
-            aux: named auxiliary terms (a MoE load-balancing loss, a router z-loss), averaged as plain DDP averages
-                its losses, each microbatch of each rank alike; the window's counts must come ahead.
-            parts: named loss parts, each the mean (or sum) over its own items, counted ahead by
-                :meth:`count_ahead` under the same names.
+            window_end: whether it ends the window; by default one outside ``fabric.no_backward_sync(model)`` does.
+            aux: named auxiliary terms (a MoE load-balancing loss), averaged as plain DDP averages; counts ahead only.
+            parts: named loss parts, each the mean (or sum) over its own items, counted by :meth:`count_ahead`.
             **kwargs: passed on to the precision plugin's backward.
         """
         loop = self._require_loop()
@@ -229,8 +217,15 @@ _OPEN = (
 )
 
 
-def _in_host_memory(value: object) -> bool:
-    return not isinstance(value, Tensor) or value.device.type == "cpu"
+class MarkWindow(BackwardSyncControl):
+    """``fabric.no_backward_sync`` under a sharded weighted strategy: its ``accumulating``, which marks the window."""
+
+    def __init__(self, accumulating: Callable[[Module, bool], AbstractContextManager[None]]) -> None:
+        self.accumulating = accumulating
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager[None]:
+        return self.accumulating(module, enabled)
 
 
 def _ends_window(syncs: bool, window_end: bool | None, reduction: str) -> bool:

@@ -25,8 +25,7 @@ class WeightedFabricDDPStrategy(WeightedFabricStrategy, DDPStrategy):
 
     Args:
         *args: :class:`~lightning.fabric.strategies.DDPStrategy`'s arguments.
-        participation: ``"pad"``: a rank whose data ran out steps with count 0 until every rank is done; ``"strict"``
-            raises instead.
+        participation: ``"pad"``: a rank out of data steps with count 0 until every rank is done; ``"strict"``: raise.
         **kwargs: :class:`~lightning.fabric.strategies.DDPStrategy`'s keyword arguments.
 
     Example::

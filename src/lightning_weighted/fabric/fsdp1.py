@@ -10,9 +10,9 @@ from lightning.fabric.strategies.fsdp import FSDPStrategy
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_weighted._compat import BackwardSyncControl, StrategyRegistry, register, set_backward_sync_control
+from lightning_weighted._compat import StrategyRegistry, register, set_backward_sync_control
 from lightning_weighted.engines.fsdp1 import FSDP1Engine, wrapped_on_cpu
-from lightning_weighted.fabric._strategy import WeightedFabricStrategy
+from lightning_weighted.fabric._strategy import MarkWindow, WeightedFabricStrategy
 from lightning_weighted.loaders import Policy
 
 __all__ = ["WeightedFabricFSDPStrategy"]
@@ -21,19 +21,12 @@ __all__ = ["WeightedFabricFSDPStrategy"]
 class WeightedFabricFSDPStrategy(WeightedFabricStrategy, FSDPStrategy):
     """Fabric's FSDP1 (``FSDPStrategy``, LitGPT's), whose every window follows the gradient of the global item mean.
 
-    Its hook SUM-reduce-scatters once per window, outside ``fabric.no_backward_sync``; it runs on the CPU too.
+    Its hook SUM-reduce-scatters once per window, on the CPU too; the loop's contract: ``docs/fabric.md``.
 
     Args:
         *args: ``FSDPStrategy``'s arguments; ``sharding_strategy`` ``"FULL_SHARD"`` (default) or ``"SHARD_GRAD_OP"``.
         participation: as for :class:`~lightning_weighted.WeightedFabricDDPStrategy`.
         **kwargs: ``FSDPStrategy``'s keyword arguments.
-
-    Example::
-
-        >>> import lightning_weighted
-        >>> from lightning.fabric import Fabric
-        >>> type(Fabric(strategy="fsdp_weighted", accelerator="cpu", devices=1).strategy).__name__
-        'WeightedFabricFSDPStrategy'
     """
 
     strategy_name = "fsdp_weighted"
@@ -46,7 +39,7 @@ class WeightedFabricFSDPStrategy(WeightedFabricStrategy, FSDPStrategy):
                 " data-parallel rank, which fsdp_weighted's reduction needs. Use 'FULL_SHARD' or 'SHARD_GRAD_OP', or"
                 " `strategy='ddp_weighted'` in place of 'NO_SHARD'."
             )
-        set_backward_sync_control(self, _MarkedNoSync(self))
+        set_backward_sync_control(self, MarkWindow(self.accumulating))
         self._accumulating = False  # inside `fabric.no_backward_sync(model)`
 
     @classmethod
@@ -79,14 +72,3 @@ class WeightedFabricFSDPStrategy(WeightedFabricStrategy, FSDPStrategy):
                 yield
         finally:
             self._accumulating = previous
-
-
-class _MarkedNoSync(BackwardSyncControl):
-    """``fabric.no_backward_sync`` under Fabric's ``fsdp_weighted``: FSDP1's ``no_sync``, which marks the window."""
-
-    def __init__(self, strategy: WeightedFabricFSDPStrategy) -> None:
-        self.strategy = strategy
-
-    @override
-    def no_backward_sync(self, module: Module, enabled: bool) -> contextlib.AbstractContextManager[None]:
-        return self.strategy.accumulating(module, enabled)

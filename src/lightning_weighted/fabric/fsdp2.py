@@ -10,10 +10,10 @@ from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_weighted._compat import BackwardSyncControl, StrategyRegistry, register, set_backward_sync_control
+from lightning_weighted._compat import StrategyRegistry, register, set_backward_sync_control
 from lightning_weighted._launch import data_parallel_group, every_rank_data_parallel
 from lightning_weighted.engines.fsdp2 import FSDP2Engine, shard_blocks
-from lightning_weighted.fabric._strategy import WeightedFabricStrategy
+from lightning_weighted.fabric._strategy import MarkWindow, WeightedFabricStrategy
 from lightning_weighted.loaders import Policy
 
 __all__ = ["WeightedFabricModelParallelStrategy"]
@@ -22,21 +22,14 @@ __all__ = ["WeightedFabricModelParallelStrategy"]
 class WeightedFabricModelParallelStrategy(WeightedFabricStrategy, ModelParallelStrategy):
     """Fabric's FSDP2 (``ModelParallelStrategy``), whose every window follows the gradient of the global item mean.
 
-    Set the model up before its optimizer (``fabric.setup_module``, then ``fabric.setup_optimizers``). Every FSDP
-    module SUM-reduces on every microbatch; ``no_backward_sync`` only marks the window.
+    Set the model up before its optimizer. Every FSDP module SUM-reduces on every microbatch; ``no_backward_sync``
+    only marks the window. The loop's contract: ``docs/fabric.md``.
 
     Args:
         *args: ``ModelParallelStrategy``'s arguments; ``parallelize_fn`` defaults to
             :func:`~lightning_weighted.shard_blocks`.
         participation: as for :class:`~lightning_weighted.WeightedFabricDDPStrategy`.
         **kwargs: ``ModelParallelStrategy``'s keyword arguments.
-
-    Example::
-
-        >>> import lightning_weighted
-        >>> from lightning.fabric import Fabric
-        >>> type(Fabric(strategy="fsdp2_weighted", accelerator="cpu", devices=1).strategy).__name__
-        'WeightedFabricModelParallelStrategy'
     """
 
     strategy_name = "fsdp2_weighted"
@@ -45,7 +38,7 @@ class WeightedFabricModelParallelStrategy(WeightedFabricStrategy, ModelParallelS
         if not args:
             kwargs.setdefault("parallelize_fn", shard_blocks)
         super().__init__(*args, participation=participation, **kwargs)
-        set_backward_sync_control(self, _MarkWindow(self))
+        set_backward_sync_control(self, MarkWindow(lambda module, enabled: self.accumulating(enabled)))
         self._accumulating = False  # inside `fabric.no_backward_sync(model)`
 
     @classmethod
@@ -78,14 +71,3 @@ class WeightedFabricModelParallelStrategy(WeightedFabricStrategy, ModelParallelS
     @override
     def _syncs(self) -> bool:
         return not self._accumulating
-
-
-class _MarkWindow(BackwardSyncControl):
-    """``fabric.no_backward_sync`` under ``fsdp2_weighted``: marks the window, keeps each microbatch's reduction."""
-
-    def __init__(self, strategy: WeightedFabricModelParallelStrategy) -> None:
-        self.strategy = strategy
-
-    @override
-    def no_backward_sync(self, module: Module, enabled: bool) -> contextlib.AbstractContextManager[None]:
-        return self.strategy.accumulating(enabled)

@@ -1,20 +1,16 @@
 """One rank's pass over one loader: its real batches, then replays until every rank is done; counted; resumable.
 
-**Replays.** A rank whose data runs out keeps taking part in every remaining step: it replays its last real batch
-(a peer's first batch if it had none) with a count of 0, so its forward, its backward and the collectives inside its
-step (``self.log(..., sync_dist=True)``, metric syncs) stay matched, and the replay contributes exactly nothing.
-Position ``p`` of a pass is a replay where ``p`` reaches the rank's real batches: :meth:`Participation.replay`, the one
-rule every counter asks. The epoch ends on every rank at the same step: for sized loaders after the longest rank's
-last batch, for unsized ones (``IterableDataset``) at the first window end where no rank has a real batch left.
+**Replays.** A rank whose data runs out replays its last real batch (a peer's first if it had none) with a count of
+0, so its step's collectives stay matched and it contributes nothing. :meth:`Participation.replay` is the one rule
+every counter asks. Every rank's epoch ends at the same step: after the longest rank's last batch, or, unsized, at
+the first window end where no rank has a real batch left.
 
-**Counting ahead.** Where a count function is given, each batch is counted on the host as it is fetched, and a
-window's batches are fetched before its first forward (:meth:`EpochBatches.take`, :meth:`EpochBatches.peek`).
+**Counting ahead.** Each batch is counted on the host as it is fetched, a window's before its first forward.
 
 **Resume.** A checkpoint keeps each rank's place (:meth:`EpochBatches.state`): its position, its real batches, and
-its loader's own state before the first batch not yet trained (before its last one, where it has none left). A pass
-resumed mid-epoch starts at that position: a loader whose state was put back continues at this rank's next real
-batch, one without state skips the batches already trained, and a rank with no real batch left only replays its last
-one. A loader put back mid-epoch is read to its end after its last real batch, as an uninterrupted epoch reads it.
+its loader's own state before the first batch not yet trained. A resumed pass starts there: a loader whose state
+was put back continues, one without state skips what was trained, and one put back is read to its end after its
+last real batch, as an uninterrupted epoch reads it.
 """
 
 from __future__ import annotations
@@ -41,8 +37,7 @@ class Participation:
     """One rank's view of one loader's epoch: how many real batches it holds, and whether every rank is done.
 
     Args:
-        policy: ``"pad"`` (default) lets exhausted ranks replay batches with count 0 until every rank is done;
-            ``"strict"`` raises instead, naming each rank's batch count.
+        policy: ``"pad"`` (default): exhausted ranks replay with count 0; ``"strict"`` raises, naming each rank's.
     """
 
     def __init__(self, policy: Policy = "pad") -> None:
@@ -122,17 +117,12 @@ class EpochBatches:
         Args:
             position: where the run resumes: the batches before it were trained.
             real: this rank's real batches in the epoch, where known.
-            at: the real batch the loader yields first (0 for a loader without state): those between it and
-                ``position`` are skipped.
+            at: the real batch the loader yields first (0 without state); those up to ``position`` are skipped.
         """
         self._resume = (position, real, at)
 
     def iterate(self, iterator: Iterator[Any]) -> Iterator[Any]:
-        """The batches of one pass over the loader (a stage of :func:`~lightning_weighted.loaders.extension.extend`).
-
-        The pass starts as Lightning asks for the iterator, before its first batch begins: a ``training_step`` taking
-        ``dataloader_iter`` reads that batch only inside the step.
-        """
+        """The batches of one pass, which starts as Lightning asks for the iterator (a stage of ``extend``)."""
         start, real, at = self._resume or (0, None, 0)
         self._resume, self.passes = None, self.passes + 1
         self.participation.new_epoch(self.local if real is None else real)
@@ -259,11 +249,9 @@ def participating(
 ) -> tuple[Any, EpochBatches | None]:
     """The rank's loader, made to keep yielding until every rank is done where ranks hold unequal data.
 
-    A loader with as many batches on every rank is returned as it is (unless ``always``). Otherwise a sized one
-    reports the longest rank's length, so Lightning runs as many batches everywhere, and an unsized one replays until
-    the window that finds every rank out of data ends the epoch (``windows=False``, in a loop without windows such as
-    evaluation: until a one-value all-reduce before each batch finds it). ``lengths``: every rank's, where gathered
-    already (:func:`lengths_of`). Returns the loader and its :class:`EpochBatches` (``None``: left as it is).
+    A loader as long on every rank is returned as it is (unless ``always``); a sized one reports the longest rank's
+    length. ``windows``, ``lengths``: as for :class:`EpochBatches` and :func:`lengths_of`. Returns the loader and its
+    :class:`EpochBatches` (``None``: left as it is).
     """
     lengths = lengths_of(loader, device) if lengths is None else lengths
     local = lengths[dist.get_rank() if dist.is_initialized() else 0]
@@ -290,7 +278,7 @@ def lengths_of(loader: Any, device: torch.device) -> list[int]:
 def combined_lengths(mode: str, lengths: list[list[int]]) -> list[int] | None:
     """Every rank's number of combined batches of a ``CombinedLoader`` in ``mode``; ``None`` if one is unsized.
 
-    ``lengths`` holds one list per loader, each rank's number of batches in it (-1: no length).
+    ``lengths``: per loader, each rank's number of batches (-1: none).
 
     Example::
 

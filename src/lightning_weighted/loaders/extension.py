@@ -1,12 +1,8 @@
 """A loader's iteration extended for one fit, the loader itself kept: the protocol every extension goes through.
 
-Lightning seeds a ``DataLoader``'s workers and checks its settings on the object the user gave it, and saves the
-state of that same object, so a loader keeps its identity while its iteration is extended: its class gets a subclass
-placed in front (under the same name), given back by :func:`restore` at the end of the fit. Any other iterable is
-wrapped instead. The whole protocol is four functions: :func:`extend` adds a stage or a length, :func:`extension`
-finds what a loader runs (an :class:`Extension`, or ``None``), :func:`own_state` reads the loader's own state past
-the extension, :func:`restore` gives the loader back. A stateful loader's ``state_dict`` and ``load_state_dict``
-ask its :class:`Extension` which state to save and which to load.
+Lightning seeds a ``DataLoader``'s workers, checks its settings and saves its state on the object the user gave it,
+so a loader keeps its identity: its class gets a subclass in front (under the same name), which :func:`restore`
+takes away. Any other iterable is wrapped instead.
 
 Example::
 
@@ -49,10 +45,9 @@ class Extension:
 
 
 def extend(loader: Any, stage: Stage | None = None, length: Callable[[], int] | None = None) -> Any:
-    """Runs ``loader``'s iteration through ``stage`` (after its earlier stages); ``length`` replaces its length.
+    """Runs ``loader``'s iteration through ``stage`` (after its earlier ones); ``length`` replaces its length.
 
-    Returns the same object for a ``DataLoader``, a wrapper for any other iterable; :func:`extension` finds what it
-    runs.
+    Returns the same object for a ``DataLoader``, a wrapper for any other iterable.
     """
     if not isinstance(loader, (_Extended, _ExtendedIterable)):
         if isinstance(loader, DataLoader):

@@ -71,10 +71,7 @@ class _UnpaddedWrapper(UnpaddedDistributedSampler[T]):
 
 
 class InsertedReplicas(int):
-    """The rank count a weighted strategy hands Lightning (or Fabric) for the ``DistributedSampler`` it inserts.
-
-    The sampler keeps it as its ``num_replicas``, which tells it from a sampler of the user's own, left alone.
-    """
+    """The rank count handed to the ``DistributedSampler`` Lightning inserts: it tells that one from the user's."""
 
 
 def marked(kwargs: dict[str, Any] | None) -> dict[str, Any]:
@@ -87,10 +84,8 @@ def marked(kwargs: dict[str, Any] | None) -> dict[str, Any]:
 def without_padding(dataloader: object) -> object:
     """Swaps the padding ``DistributedSampler`` Lightning inserted for one that repeats no item.
 
-    The sampler is replaced inside the loader Lightning has just built (``loader.sampler``, or inside its batch
-    sampler, where torchdata's ``StatefulDataLoader`` keeps it), which keeps every argument of a ``DataLoader``
-    subclass; where that is impossible the loader is built once more, and where that fails too the padding sampler
-    stays and rank 0 says so. A sampler of the user's own stays.
+    In place where possible (which keeps a ``DataLoader`` subclass's arguments), else in a loader built anew, else
+    the padding one stays and rank 0 says so. A sampler of the user's own stays.
     """
     if not isinstance(dataloader, DataLoader):
         return dataloader

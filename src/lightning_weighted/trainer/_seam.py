@@ -1,29 +1,23 @@
 """Every touch of Lightning's and the user's objects in a weighted fit, in one object, undone at ``teardown``.
 
-A weighted Trainer strategy works through Lightning's strategy hooks wherever Lightning has one (``training_step``,
-``backward``, ``optimizer_step``, ``reduce``, ``process_dataloader``, ``save_checkpoint``, ``load_checkpoint``).
-Where it has none, :class:`Seam` touches another object, each touch named here with its reason; each is pinned by
-``tests/unit/test_seam.py``, which fails on a Lightning that changes the reason:
+A weighted strategy works through Lightning's strategy hooks wherever there is one. Where there is none,
+:class:`Seam` touches another object, each touch named here with its reason (pinned by ``tests/unit/test_seam.py``):
 
-- :data:`EPOCH_END`, the module's ``on_train_batch_start``: Lightning ends an epoch early only where the module's
-  hook returns -1; the strategy's own hook runs after it, its return ignored. The epoch ends there where every rank
-  is out of data, and a -1 of the user's drops the half window (:meth:`WindowLoop.drop`).
-- :data:`SCHEDULERS`, the module's ``lr_scheduler_step``: Lightning steps LR schedulers only through it. After a
-  window without items, step-interval schedulers do not step.
-- :data:`BATCHES`, a callback put first in ``trainer.callbacks``: the strategy's own ``on_train_batch_start`` runs
-  after the callbacks' and the module's, which read ``padding_step``; an evaluation batch's loader index and an
-  evaluation epoch's end reach only callbacks and the module. There each batch begins, and the item-mean evaluation
-  loss is logged.
-- :data:`REPLAY_LOGS`, the module's ``log`` during a replayed step: Lightning adds every ``self.log`` call into the
-  epoch's values; a replay's add nothing (a mean's batch size is 0, a sum's value 0).
-- :data:`METRICS`, the states of the module's torchmetrics around a replayed step: put back after it, update count
-  included (torchmetrics has no public setter for it).
-- :data:`CLIP`, ``FSDPPrecision.clip_grad_by_norm`` under ``fsdp_weighted``: Lightning's refuses norm clipping for
-  FSDP1; FSDP1's own ``clip_grad_norm_`` over the shards takes its place.
-- :data:`SAMPLER_WARNING`, the warnings filter: Lightning warns that its ``DistributedSampler`` repeats items, and
-  the one it inserts here (:class:`~lightning_weighted.UnpaddedDistributedSampler`) repeats none.
-- :data:`LOADERS`, each loader Lightning processes: extended for the fit (:mod:`lightning_weighted.loaders`); the
-  stage of a loader is read from the barrier Lightning names right before it processes a stage's loaders.
+- :data:`EPOCH_END`, the module's ``on_train_batch_start``: only its -1 ends an epoch early (the strategy's hook's
+  return is ignored). The epoch ends there where every rank is out of data; a user's -1 drops the half window.
+- :data:`SCHEDULERS`, the module's ``lr_scheduler_step``, the only way LR schedulers step: after a window without
+  items, step-interval schedulers do not.
+- :data:`BATCHES`, a callback put first: the strategy's ``on_train_batch_start`` runs after the callbacks' and the
+  module's, which read ``padding_step``; an evaluation batch's loader index and epoch end reach only callbacks. Each
+  batch begins there, and the evaluation loss is logged there.
+- :data:`REPLAY_LOGS`, the module's ``log`` in a replayed step: a replay's logs add nothing to the epoch's values.
+- :data:`METRICS`, the module's torchmetrics around a replayed step: put back after it, update count included.
+- :data:`CLIP`, ``FSDPPrecision.clip_grad_by_norm`` under ``fsdp_weighted``, which refuses norm clipping for FSDP1:
+  FSDP1's own ``clip_grad_norm_`` takes its place.
+- :data:`SAMPLER_WARNING`, the warnings filter: Lightning warns that its sampler repeats items; the one put in its
+  place (:class:`~lightning_weighted.UnpaddedDistributedSampler`) repeats none.
+- :data:`LOADERS`, each loader Lightning processes, extended for the fit (:mod:`lightning_weighted.loaders`); its
+  stage is the one of the barrier Lightning names right before.
 """
 
 from __future__ import annotations
@@ -43,6 +37,7 @@ from torchmetrics import Metric
 
 from lightning_weighted._compat import metric_restore, metric_snapshot
 from lightning_weighted.loop import Exchange, Output, WindowLoop, read_output
+from lightning_weighted.monitor import loggable
 from lightning_weighted.trainer._loaders import FitLoaders
 from lightning_weighted.window import TRAINER, Count, Problem, Window, Wording
 
@@ -83,8 +78,7 @@ class BatchState:
     Attributes:
         position: its place in its epoch (replays follow a rank's real batches).
         replay: it replays a batch of a rank whose data ran out: it counts 0, and its logs and metrics leave no trace.
-        replays: its loader replays on some rank: values logged across ranks weigh each rank by whether its batch
-            was real.
+        replays: its loader replays on some rank: values logged across ranks weigh each rank by its batch's realness.
         loader: an evaluation batch's ``dataloader_idx``.
         ends_window: its backward ends the window (the Trainer runs that batch inside ``optimizer_step``).
         dropped: the epoch ends before it trains (``on_train_batch_start`` returned -1).
@@ -107,12 +101,11 @@ class Seam:
 
     Args:
         loaders: the fit's loaders, whose participations tell which batches are replays.
-        begin_train: begins the train batch Lightning numbers ``batch_idx`` (the strategy's).
+        begin_train: begins the train batch Lightning numbers ``batch_idx``.
 
     Attributes:
         batch: the batch in progress.
-        weight: inside the step of a loader that replays, 1.0 for a real batch and 0.0 for a replay; ``None``
-            elsewhere (Lightning's reductions as they are).
+        weight: in the step of a loader that replays, 1.0 for a real batch, 0.0 for a replay; else ``None``.
     """
 
     def __init__(self, loaders: FitLoaders, begin_train: Callable[[int], None]) -> None:
@@ -150,10 +143,7 @@ class Seam:
 
     @contextlib.contextmanager
     def step(self, module: LightningModule) -> Iterator[None]:
-        """The step of the batch in progress: a replay's logs and metrics leave no trace.
-
-        See :data:`REPLAY_LOGS` and :data:`METRICS`.
-        """
+        """The step of the batch in progress: a replay's logs and metrics leave no trace."""
         batch = self.batch
         self.weight = (0.0 if batch.replay else 1.0) if batch.replays else None
         metrics = [m for m in module.modules() if isinstance(m, Metric)] if batch.replay else []
@@ -176,11 +166,7 @@ class Seam:
         return output
 
     def reduce(self, tensor: Tensor, reduce_op: Any, group: Any, fallback: Callable[..., Any]) -> Any:
-        """A mean or sum over the ranks that held a real batch, where :attr:`weight` is set; else ``fallback``.
-
-        In the step of a loader that replays, values logged with ``sync_dist=True`` are reduced as they are logged:
-        each rank weighs by whether its batch was real.
-        """
+        """A mean or sum over the ranks that held a real batch, where :attr:`weight` is set; else ``fallback``."""
         op = str(reduce_op).lower().rsplit(".", 1)[-1]  # "mean", "sum", or an enum's "RedOpType.SUM"
         if self.weight is None or op not in _WEIGHTED or not dist.is_initialized():
             return fallback(tensor, group=group, reduce_op=reduce_op)
@@ -256,9 +242,7 @@ class _Batches(Callback):
 class EvaluationLoss:
     """The item mean of the loss each ``validation_step`` or ``test_step`` returns, over every rank (``val/loss``).
 
-    Each evaluation batch is counted by the training count rule into one window per loader (and per loss part),
-    whose payload is summed once at the epoch's end: exact whatever the ranks hold, each item once (a replayed batch
-    counts 0).
+    Counted by the training count rule into one window per loader (and part), summed once at the epoch's end.
 
     Args:
         device: where the losses live.
@@ -304,7 +288,7 @@ class EvaluationLoss:
             for name, value in values.items():
                 if value == value:  # a part without items this epoch logs nothing (NaN)
                     # already global: the max of equal values is the value itself, exactly, on any number of ranks
-                    module.log(name, _loggable(value, module), reduce_fx="max", sync_dist=True, batch_size=1,
+                    module.log(name, loggable(value, module), reduce_fx="max", sync_dist=True, batch_size=1,
                                add_dataloader_idx=False)  # fmt: skip
         self.windows = {}
 
@@ -312,13 +296,6 @@ class EvaluationLoss:
 def _wording(stage: str) -> Wording:
     step = "validation_step" if stage == "val" else "test_step"
     return Wording(f"{step} returned", TRAINER.fix.replace("training_step", step))
-
-
-def _loggable(value: float, module: LightningModule) -> float | Tensor:
-    trainer = module.trainer
-    return (
-        torch.tensor(value, dtype=torch.float64, device=module.device) if str(trainer.precision)[:2] == "64" else value
-    )
 
 
 @contextlib.contextmanager

@@ -28,8 +28,7 @@ class WeightedDDPStrategy(WeightedTrainerStrategy, DDPStrategy):
     Args:
         *args: :class:`~lightning.pytorch.strategies.DDPStrategy`'s arguments (a ``ddp_comm_hook`` of yours must
             average over the ranks, as torch's do).
-        participation: ``"pad"``: a rank whose data ran out steps with count 0 until every rank is done; ``"strict"``
-            raises instead.
+        participation: ``"pad"``: a rank out of data steps with count 0 until every rank is done; ``"strict"``: raise.
         **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy`'s keyword arguments.
 
     Example::

@@ -44,23 +44,13 @@ def _full_state_dict_in_place(module: Module) -> contextlib.AbstractContextManag
 class WeightedFSDPStrategy(WeightedTrainerStrategy, FSDPStrategy):
     """FSDP1 whose every optimizer step follows the gradient of the global item mean, on the CPU too.
 
-    On the CPU, where Lightning refuses its own ``FSDPStrategy``, FSDP1 is wrapped with ``device_id=cpu`` and full
-    state dicts are not "offloaded" to the CPU they are on. Its hook SUM-reduce-scatters once per window
-    (:mod:`lightning_weighted.engines.fsdp1`). Float16 is refused.
+    The contract, the engine and what is refused: ``docs/how_it_works.md``.
 
     Args:
         *args: ``FSDPStrategy``'s arguments; ``sharding_strategy`` ``"FULL_SHARD"`` (default) or ``"SHARD_GRAD_OP"``.
         participation: as for :class:`~lightning_weighted.WeightedDDPStrategy`.
-        sync_every_microbatch: reduce-scatter every microbatch (as FSDP2 does): no unsharded gradient held between
-            microbatches, at ``A`` reduce-scatters per step instead of one.
+        sync_every_microbatch: reduce-scatter every microbatch (as FSDP2 does), holding no unsharded gradient.
         **kwargs: ``FSDPStrategy``'s keyword arguments.
-
-    Example::
-
-        >>> import lightning_weighted
-        >>> from lightning.pytorch import Trainer
-        >>> type(Trainer(strategy="fsdp_weighted", accelerator="cpu", devices=1, logger=False).strategy).__name__
-        'WeightedFSDPStrategy'
     """
 
     strategy_name = "fsdp_weighted"

@@ -22,21 +22,13 @@ __all__ = ["WeightedModelParallelStrategy"]
 class WeightedModelParallelStrategy(WeightedTrainerStrategy, ModelParallelStrategy):
     """FSDP2 (and tensor parallelism) whose every optimizer step follows the gradient of the global item mean.
 
-    The module applies ``fully_shard`` in ``configure_model`` as for Lightning's ``ModelParallelStrategy``; every FSDP
-    module SUM-reduces on each microbatch (:mod:`lightning_weighted.engines.fsdp2`). Float16 is refused.
+    The module shards itself in ``configure_model`` (:func:`~lightning_weighted.shard_blocks`). The contract, the
+    engine and what is refused: ``docs/how_it_works.md``.
 
     Args:
-        *args: ``ModelParallelStrategy``'s arguments; ``data_parallel_size`` defaults to the world size divided by
-            ``tensor_parallel_size``, and that to 1.
+        *args: ``ModelParallelStrategy``'s arguments; ``data_parallel_size`` defaults to every rank not tensor-parallel.
         participation: as for :class:`~lightning_weighted.WeightedDDPStrategy`.
         **kwargs: ``ModelParallelStrategy``'s keyword arguments.
-
-    Example::
-
-        >>> import lightning_weighted
-        >>> from lightning.pytorch import Trainer
-        >>> type(Trainer(strategy="fsdp2_weighted", accelerator="cpu", devices=1, logger=False).strategy).__name__
-        'WeightedModelParallelStrategy'
     """
 
     strategy_name = "fsdp2_weighted"
