@@ -235,7 +235,10 @@ def reduce_scatter(output: Tensor, source: Tensor, group: Any, op: Any, async_op
 
 def metric_snapshot(metric: Any) -> tuple[dict[str, Any], int, Any]:
     """A ``Metric``'s state, update count and cached result, to put back after a replay (no public setter)."""
-    state = {name: _copied(value) for name, value in metric.metric_state.items()}
+    state = {
+        name: value.clone() if isinstance(value, Tensor) else [v.clone() if isinstance(v, Tensor) else v for v in value]
+        for name, value in metric.metric_state.items()
+    }
     return state, metric._update_count, metric._computed
 
 
@@ -244,12 +247,6 @@ def metric_restore(metric: Any, snapshot: tuple[dict[str, Any], int, Any]) -> No
     state, metric._update_count, metric._computed = snapshot
     for name, value in state.items():
         setattr(metric, name, value)
-
-
-def _copied(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.clone()
-    return [item.clone() if isinstance(item, Tensor) else item for item in value]
 
 
 def set_sampler(loader: DataLoader[Any], sampler: Any, keep: bool = False) -> None:

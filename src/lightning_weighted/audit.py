@@ -314,17 +314,17 @@ def local_sums(
             losses = [step.parts.get(name) if step.parts else None for name in names] if names else [step.loss]
             if any(loss is None or loss.grad_fn is None for loss in losses):
                 continue  # Lightning skips a `None` step; a loss without a graph fails its own backward
-            counted = [_on_host(count) for count in _counts(trainer, step, microbatch.batch)]
-            bad = step.problem is not None or any(count.problem is not None for count in counted)
+            counted = _counts(trainer, step, microbatch.batch)  # read on the host, as training never does
+            bad = step.problem is not None or any(c.problem is not None and float(c.problem) != 0 for c in counted)
             invalid = 1.0 if bad else invalid
             for k, (loss, count) in enumerate(zip(losses, counted, strict=True)):
-                skipped = bad or count.value == 0 or microbatch.padding  # exactly zero, also for a NaN mean
+                weight = float(count.value)
+                skipped = bad or weight == 0 or microbatch.padding  # exactly zero, also for a NaN mean
                 if skipped and not sharded:
                     continue
                 assert loss is not None
                 grads = torch.autograd.grad(loss.sum(), used, allow_unused=True, retain_graph=k < len(losses) - 1)
                 if not skipped:
-                    weight = float(count.value)
                     sums[k].add_(flat(grads, params), alpha=1.0 if step.item_sum else weight)
                     items[k] += weight
     with torch.no_grad():
@@ -347,15 +347,6 @@ def _training_step(trainer: Trainer, pl_module: LightningModule, args: tuple[Any
     if isinstance(trainer.strategy, FSDPStrategy) and model is not None and model is not pl_module:
         return forward_redirection(trainer.strategy, model, pl_module, "training_step", *args)
     return pl_module.training_step(*args)
-
-
-def _on_host(count: Count) -> Count:
-    """``count`` with its value and problem read on the host (the audit reads what training never does)."""
-    problem = count.problem
-    if isinstance(problem, Tensor):
-        problem = None if float(problem) == 0 else problem
-    value = float(count.value) if isinstance(count.value, Tensor) else count.value
-    return Count(value, None if problem is None else problem, count.implicit)
 
 
 def flat(tensors: Sequence[Tensor | None], like: Sequence[Tensor]) -> Tensor:

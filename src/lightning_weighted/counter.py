@@ -22,13 +22,7 @@ _PRESETS = ("examples", "tokens", "weights", "documents")
 
 
 def count_examples(batch: Any) -> int:
-    """The batch size, found in the batch as Lightning finds it for logging.
-
-    Example::
-
-        >>> count_examples({"input_ids": torch.zeros(4, 7)})
-        4
-    """
+    """The batch size, found in the batch as Lightning finds it for logging."""
     return extract_batch_size(batch)
 
 
@@ -58,13 +52,7 @@ def count_tokens(
 
 
 def count_weights(batch: Any, key: str | int) -> Tensor:
-    """The sum of a batch's sample weights, ``batch[key]``.
-
-    Example::
-
-        >>> count_weights((torch.zeros(3), torch.tensor([0.5, 1.0, 2.0])), 1)
-        tensor(3.5000)
-    """
+    """The sum of a batch's sample weights, ``batch[key]``."""
     return _select(batch, key).sum()
 
 

@@ -286,7 +286,7 @@ class WindowLoop:
             multiply_gradients(self.engine.parameters(), scale)
         summed = exchange.read(self.wording)
         results = [w.result(s, step) for w, s in zip(windows, summed, strict=True)]
-        result = self.last_window = _combined(step, self.parts, results)
+        result = self.last_window = combined_result(step, self.parts, results)
         self.ranks_with_more, self.next_totals = round(summed[0][Slot.MORE]), [s[Slot.NEXT] for s in summed]
         nan_empty = round(max(s[Slot.NAN_EMPTY] for s in summed))
         if nan_empty and result.items > 0 and backward:
@@ -357,7 +357,7 @@ def _total(tensors: Iterable[Tensor | None]) -> Tensor | None:
     return torch.stack([t.reshape(()) for t in present]).sum() if present else None
 
 
-def _combined(step: int, names: tuple[str, ...], results: list[WindowResult]) -> WindowResult:
+def combined_result(step: int, names: tuple[str, ...], results: list[WindowResult]) -> WindowResult:
     """The result of a window: its one part's, or for several their items summed and the sum of their means."""
     if not names:
         return results[0]

@@ -197,7 +197,9 @@ class ItemMonitor(Callback):
         metrics = self.metrics
         metrics.group, metrics.device = strategy.data_parallel_group, pl_module.device
         metrics.update(window, elapsed=elapsed, aux=aux, microbatches=microbatches)
-        values = {k: loggable(v, pl_module) for k, v in metrics.compute(collectives=_logs_now(trainer)).items()}
+        every: int = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by the Trainer's logger connector
+        logs_now = trainer.logger is not None and (trainer.global_step + 1) % every == 0
+        values = {k: loggable(v, pl_module) for k, v in metrics.compute(collectives=logs_now).items()}
         shown = {k: v for k, v in values.items() if k in _SHOWN}
         pl_module.log_dict(shown, prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
         logged = {k: v for k, v in values.items() if k not in _SHOWN}
@@ -220,19 +222,11 @@ class ItemMonitor(Callback):
 
 def loggable(value: float | Tensor, module: LightningModule) -> float | Tensor:
     """A value for ``self.log``: a float64 tensor where the run is float64, lest Lightning round it to float32."""
-    return torch.as_tensor(value, dtype=torch.float64).to(module.device) if _float64(module) else value
-
-
-def _float64(module: LightningModule) -> bool:
     trainer = trainer_of(module)  # None outside a fit
-    return trainer is not None and str(trainer.precision).startswith("64")
+    float64 = trainer is not None and str(trainer.precision).startswith("64")
+    return torch.as_tensor(value, dtype=torch.float64).to(module.device) if float64 else value
 
 
 def _results(trainer: Trainer) -> WeightedStrategy:
     """The weighted strategy whose windows are logged; a clear error for any other."""
     return weighted(trainer.strategy, "ItemMonitor logs the windows of")
-
-
-def _logs_now(trainer: Trainer) -> bool:
-    every: int = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by the Trainer's logger connector
-    return trainer.logger is not None and (trainer.global_step + 1) % every == 0

@@ -187,10 +187,8 @@ def read_count(value: object, integer: bool = False, host: bool = False) -> Coun
 
     Example::
 
-        >>> read_count(3)
-        Count(value=3.0, problem=None, implicit=False)
-        >>> read_count(-2.5).problem
-        <Problem.NEGATIVE: 1>
+        >>> read_count(-2.5)
+        Count(value=-2.5, problem=<Problem.NEGATIVE: 1>, implicit=False)
         >>> count = read_count(torch.tensor(-2))  # checked where it lives
         >>> float(count.value), float(count.problem)
         (-2.0, 1.0)
@@ -467,7 +465,9 @@ def problem_error(rows: Sequence[Sequence[float]], wording: Wording = TRAINER) -
     if len(found) == 1:
         rank, problem, value = found[0]
         error_type, what = _MESSAGES[problem]
-        quoted = _quoted(value) if problem in (*_WITH_VALUE, Problem.CHANGED) else None
+        # a whole number quoted as an int (`-29`, not `-29.0`)
+        whole = abs(value) < 2**53 and value.is_integer()
+        quoted = (int(value) if whole else value) if problem in (*_WITH_VALUE, Problem.CHANGED) else None
         return error_type(f"on rank {rank}, {_format(what, quoted, wording)}. {wording.fix}.")
     if len(kinds) == 1:
         error_type, what = _MESSAGES[kinds.pop()]
@@ -478,11 +478,6 @@ def problem_error(rows: Sequence[Sequence[float]], wording: Wording = TRAINER) -
 
 def _format(what: str, value: object, wording: Wording) -> str:
     return what.format(value=value, source=wording.source, hooks=wording.hooks)
-
-
-def _quoted(value: float) -> int | float:
-    """A count as a message quotes it: a whole number as an int (``-29``, not ``-29.0``), any other as it is."""
-    return int(value) if abs(value) < 2**53 and value.is_integer() else value
 
 
 def imbalance(largest: float, items: float, ranks: int) -> float:

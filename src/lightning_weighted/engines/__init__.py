@@ -61,16 +61,6 @@ def finite_gradients(tensors: Iterable[Tensor]) -> list[RemovableHandle]:
     """Keeps only the finite values of each gradient computed for ``tensors`` (before it accumulates).
 
     Until the handles go, an empty microbatch's own NaN (``0 · (1/0)``) becomes 0; sparse gradients stay sparse.
-
-    Example::
-
-        >>> weight = torch.nn.Parameter(torch.ones(2))
-        >>> handles = finite_gradients([weight])
-        >>> ((weight * torch.tensor([1.0, 2.0])).sum() * 0.0 / 0.0).backward()  # a fully masked mean: 0/0
-        >>> for handle in handles:
-        ...     handle.remove()
-        >>> weight.grad
-        tensor([0., 0.])
     """
     keep_finite = partial(torch.nan_to_num, nan=0.0, posinf=0.0, neginf=0.0)
     return [tensor.register_hook(keep_finite) for tensor in tensors]  # type: ignore[no-untyped-call]

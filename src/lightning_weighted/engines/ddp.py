@@ -43,15 +43,7 @@ class DDPEngine(FiniteGradients):
 
 
 def zero_loss(module: nn.Module) -> Tensor:
-    """An exact zero that reaches every trainable parameter of ``module``: a loss for a microbatch that gave none.
-
-    Example::
-
-        >>> layer = nn.Linear(2, 1)
-        >>> zero_loss(layer).backward()
-        >>> layer.weight.grad
-        tensor([[0., 0.]])
-    """
+    """An exact zero that reaches every trainable parameter of ``module``: a loss for a microbatch that gave none."""
     params = [param for param in module.parameters() if param.requires_grad]
     return torch.stack([param.sum().float() * 0.0 for param in params]).sum()
 

@@ -282,10 +282,8 @@ def combined_lengths(mode: str, lengths: list[list[int]]) -> list[int] | None:
 
     Example::
 
-        >>> combined_lengths("max_size_cycle", [[2, 1], [4, 4]])  # the shorter loaders cycle
-        [4, 4]
-        >>> combined_lengths("min_size", [[2, 1], [4, 4]])
-        [2, 1]
+        >>> combined_lengths("max_size_cycle", [[2, 1], [4, 4]]), combined_lengths("min_size", [[2, 1], [4, 4]])
+        ([4, 4], [2, 1])
     """
     if any(n < 0 for loader in lengths for n in loader):
         return None

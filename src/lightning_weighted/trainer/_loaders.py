@@ -22,10 +22,8 @@ _KEY = "lightning_weighted"  # each rank's place in its train epoch, in a checkp
 class FitLoaders:
     """What the strategy does to each loader Lightning builds (train, val, test), and undoes when the fit ends.
 
-    Lightning names the barrier it passes right before it processes a stage's loaders, which says which stage the
-    loaders handed to ``process_dataloader`` belong to. A loader whose ranks hold different numbers of batches
-    replays (:mod:`lightning_weighted.loaders.epoch`); one train loader is counted ahead where a count function is
-    given, and keeps each rank's place for a checkpoint.
+    A stage's loaders follow the barrier Lightning names for it. Where ranks hold unequal batches they replay
+    (:mod:`lightning_weighted.loaders.epoch`); one train loader is counted ahead and keeps each rank's place.
 
     Args:
         policy: what a rank whose data ran out does (``"pad"`` or ``"strict"``).
@@ -47,10 +45,7 @@ class FitLoaders:
 
     @property
     def combined(self) -> bool:
-        """Whether a train batch combines several loaders' batches, whose number of examples is ambiguous.
-
-        A ``CombinedLoader`` of several loaders does in every mode but ``"sequential"``.
-        """
+        """Whether a train batch combines several loaders' batches (in every mode but ``"sequential"``)."""
         return len(self.train_loaders) > 1 and combined_mode(self.fit_loop) != "sequential"
 
     def at_barrier(self, name: str | None) -> None:
@@ -101,11 +96,7 @@ class FitLoaders:
             self._resumed = None
 
     def _combined(self, loader: Any) -> Any:
-        """One of several train loaders, as it is; checked, where the ranks' lengths differ, when Lightning sizes it.
-
-        The ranks' numbers of combined batches, which the ``CombinedLoader``'s mode decides, must be equal, or DDP's
-        ranks would fall out of step: refused on every rank alike when Lightning first asks for the lengths.
-        """
+        """One of several train loaders, refused as Lightning sizes it where the ranks' combined lengths differ."""
         if all(len(set(n)) == 1 for n in self._lengths) or any(n < 0 for n in self._lengths[-1]):
             return loader  # as many batches on every rank in every mode; or unsized: as under "ddp", theirs to align
         local = len(loader)
@@ -139,13 +130,12 @@ class FitLoaders:
         return ahead
 
     def save(self, checkpoint: dict[str, Any], progress: tuple[int, bool] | None) -> None:
-        """Puts every rank's place in the train epoch into ``checkpoint`` (one collective, every rank calls it).
+        """Puts every rank's place in the train epoch into ``checkpoint`` (a collective).
 
         ``progress``: how many batches of the epoch trained, and whether the last one did (``None``: no fit).
         """
-        mine = (
-            None if self.stage is None or progress is None else {**self.stage.state(progress[0]), "last": progress[1]}
-        )
+        stage = self.stage
+        mine = None if stage is None or progress is None else {**stage.state(progress[0]), "last": progress[1]}
         ranks: list[Any] = [mine]
         if dist.is_initialized():
             ranks = [None] * dist.get_world_size()
@@ -154,11 +144,7 @@ class FitLoaders:
             checkpoint[_KEY] = {"ranks": ranks}
 
     def load(self, checkpoint: dict[str, Any]) -> None:
-        """Takes every rank's place from a checkpoint; the train loader set up next starts where this rank's stopped.
-
-        Raises:
-            ValueError: the checkpoint was taken mid-epoch on another number of ranks.
-        """
+        """Takes every rank's place from a checkpoint (mid-epoch: of as many ranks); the next train loader resumes."""
         ranks = checkpoint.pop(_KEY, {"ranks": []})["ranks"]
         world = dist.get_world_size() if dist.is_initialized() else 1
         middle = [r for r in ranks if r is not None and not r["last"] and r["position"] > 0]

@@ -36,7 +36,7 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_weighted._compat import metric_restore, metric_snapshot
-from lightning_weighted.loop import Exchange, Output, WindowLoop, read_output
+from lightning_weighted.loop import Exchange, Output, WindowLoop, combined_result, read_output
 from lightning_weighted.monitor import loggable
 from lightning_weighted.trainer._loaders import FitLoaders
 from lightning_weighted.window import TRAINER, Count, Problem, Window, Wording
@@ -275,16 +275,14 @@ class EvaluationLoss:
 
     def log(self, stage: str, module: LightningModule) -> None:
         """Logs each loader's item-mean loss (the same on every rank); one float64 all-reduce per loader."""
-        several = len(self.windows) > 1
-        wording = _wording(stage)
+        step = "validation_step" if stage == "val" else "test_step"
+        wording = Wording(f"{step} returned", TRAINER.fix.replace("training_step", step))
         for index, windows in sorted(self.windows.items()):
             summed = Exchange(windows, True, self.device, self.group).read(wording)
-            results = [w.result(s, 0) for w, s in zip(windows, summed, strict=True)]
-            suffix = f"/dataloader_idx_{index}" if several else ""
-            values = {f"{stage}/loss/{p}{suffix}": r.loss for p, r in zip(self.parts, results, strict=False)}
-            means = [r.loss for r in results if r.items > 0]
-            if means:
-                values[f"{stage}/loss{suffix}"] = sum(means)
+            result = combined_result(0, self.parts, [w.result(s, 0) for w, s in zip(windows, summed, strict=True)])
+            suffix = f"/dataloader_idx_{index}" if len(self.windows) > 1 else ""
+            values = {f"{stage}/loss/{p}{suffix}": r.loss for p, r in result.parts.items()}
+            values[f"{stage}/loss{suffix}"] = result.loss
             for name, value in values.items():
                 if value == value:  # a part without items this epoch logs nothing (NaN)
                     # already global: the max of equal values is the value itself, exactly, on any number of ranks
@@ -293,24 +291,9 @@ class EvaluationLoss:
         self.windows = {}
 
 
-def _wording(stage: str) -> Wording:
-    step = "validation_step" if stage == "val" else "test_step"
-    return Wording(f"{step} returned", TRAINER.fix.replace("training_step", step))
-
-
 @contextlib.contextmanager
 def patched(target: Any, **methods: Callable[..., Any]) -> Iterator[None]:
-    """Sets ``methods`` on one instance for the length of the block; its class is never touched.
-
-    Example::
-
-        >>> layer = torch.nn.Identity()
-        >>> with patched(layer, extra_repr=lambda: "patched"):
-        ...     print(layer)
-        Identity(patched)
-        >>> print(layer)
-        Identity()
-    """
+    """Sets ``methods`` on one instance for the length of the block; its class is never touched."""
     missing = object()
     saved = {name: vars(target).get(name, missing) for name in methods}
     for name, method in methods.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -125,7 +126,8 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
             counter = self._counter if self._checks_batch and not state.replay else None
             loop.add(step, state.replay, counter.counts(batch) if counter is not None else [])
         else:
-            loop.add(step if state.replay else _with_count(step, self.counts_of(step, batch)), state.replay)
+            counts = [] if state.replay else self.counts_of(step, batch)
+            loop.add(replace(step, count=counts[0]) if counts else step, state.replay)
         if step.loss is None and step.parts is None:
             return {"loss": loop.refused(None)}  # Lightning proceeds; every rank raises at the window's end
         if step.loss is None and step.parts is not None and isinstance(output, Mapping):
@@ -289,10 +291,6 @@ def _rules(trainer: Trainer, name: str) -> tuple[ItemCounter | None, bool, Wordi
     owners = (module, getattr(trainer, "datamodule", None))  # hooks that may change a batch on its way to the step
     hooks = dict.fromkeys(h for h in _TRANSFER_HOOKS for m in owners if m is not None and is_overridden(h, m))
     return counter, fetches_itself, Wording(TRAINER.source, TRAINER.fix, " and ".join(f"`{h}`" for h in hooks), name)
-
-
-def _with_count(step: Output, counts: list[Count]) -> Output:
-    return Output(step.loss, counts[0] if counts else None, step.item_sum, step.parts, step.aux, step.problem)
 
 
 def accumulates(trainer: Trainer) -> bool:
