@@ -1,10 +1,8 @@
 """Count-weighted distributed training for Lightning: every optimizer step optimises the global item mean.
 
-Importing this package registers ``"ddp_weighted"``, ``"ddp_weighted_spawn"``, ``"ddp_weighted_fork"``,
-``"ddp_weighted_find_unused_parameters_true"``, ``"fsdp2_weighted"`` (FSDP2) and ``"fsdp_weighted"`` (FSDP1) in
-Lightning's ``StrategyRegistry``, and the DDP names (with ``"ddp_weighted_notebook"``), ``"fsdp2_weighted"`` and
-``"fsdp_weighted"`` in Fabric's ``STRATEGY_REGISTRY``. The objective is stated in :mod:`lightning_weighted.window`;
-how one window flows from the batch to the gradients, in ``docs/architecture.md``.
+Importing it registers ``"ddp_weighted"`` (with its ``_spawn``, ``_fork``, ``_find_unused_parameters_true`` and, in
+Fabric, ``_notebook`` variants), ``"fsdp2_weighted"`` and ``"fsdp_weighted"`` in Lightning's and Fabric's registries.
+The objective: :mod:`lightning_weighted.window`; one window from the batch to the gradients: ``docs/architecture.md``.
 """
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_STRATEGIES

@@ -1,8 +1,4 @@
-"""How both front ends start and group their processes: the launcher names, and the data-parallel mesh.
-
-The Trainer's and Fabric's DDP strategies register the same names with the same launchers, and their FSDP2
-strategies build the same mesh and sum a window's counts over the same group.
-"""
+"""How both front ends start and group their processes: the launcher names, and the data-parallel mesh."""
 
 from __future__ import annotations
 
@@ -26,9 +22,7 @@ LAUNCHERS: tuple[tuple[str, dict[str, Any]], ...] = (  # a registered name, its 
 def data_parallel_group(mesh: Any, dims: str | Sequence[str] = "data_parallel") -> dist.ProcessGroup:
     """The process group of a device mesh's data-parallel dimensions: where a window's counts are summed.
 
-    ``dims`` is one dimension, or several (HSDP's ``("replicate", "shard")``), flattened into one group holding
-    every rank that sees different data. With Lightning's mesh of 2 data-parallel × 2 tensor-parallel ranks, rank
-    0's group is ranks {0, 2}.
+    ``dims``: one dimension, or several flattened into one group (HSDP's ``("replicate", "shard")``).
     """
     names = (dims,) if isinstance(dims, str) else tuple(dims)
     submesh = mesh[names[0]] if len(names) == 1 else flatten_mesh(mesh, names)

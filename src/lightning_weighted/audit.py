@@ -81,13 +81,7 @@ def relative_error(actual: Tensor, expected: Tensor) -> float:
 
 
 def spread(rows: Tensor) -> float:
-    """The largest relative spread ``(max - min) / max|·|`` over the columns of ``rows`` ([ranks, values]).
-
-    Example::
-
-        >>> spread(torch.tensor([[1.0, 4.0], [1.0, 5.0]], dtype=torch.float64))
-        0.2
-    """
+    """The largest relative spread ``(max - min) / max|·|`` over the columns of ``rows`` ([ranks, values])."""
     low, high = rows.min(dim=0).values, rows.max(dim=0).values
     scale = torch.maximum(low.abs(), high.abs())
     ratios = torch.where(high == low, torch.zeros_like(scale), (high - low) / scale)
@@ -124,9 +118,7 @@ class ObjectiveAudit(Callback):
             raise ValueError(f"`on_mismatch={on_mismatch!r}` must be 'warn' or 'raise'.")
         if not (isinstance(rtol, (int, float)) and math.isfinite(rtol) and rtol >= 0):
             raise ValueError(f"`rtol={rtol!r}` must be a finite number >= 0, such as 1e-3.")
-        self.every_n_steps = every_n_steps
-        self.on_mismatch = on_mismatch
-        self.rtol = float(rtol)
+        self.every_n_steps, self.on_mismatch, self.rtol = every_n_steps, on_mismatch, float(rtol)
         self.reports: list[AuditReport] = []
         self._window: list[Microbatch] = []
 
@@ -219,9 +211,7 @@ class ObjectiveAudit(Callback):
         param_squares = sum(float(param.double().square().sum()) for param in params)
         checksums = [param_sum, param_squares, actual.sum(), actual.square().sum()]
         local = torch.tensor(
-            [sum(items), *checksums, error, actual.norm(), expected.norm()],
-            dtype=torch.float64,
-            device=device,
+            [sum(items), *checksums, error, actual.norm(), expected.norm()], dtype=torch.float64, device=device
         )
         rows = local.unsqueeze(0)
         if distributed:
@@ -233,10 +223,8 @@ class ObjectiveAudit(Callback):
         replica_error = spread(rows[:, 1:5])
         norm, expected_norm = (float(value) for value in rows[0, 6:8])
         passed = objective_error <= self.rtol and replica_error <= self.rtol  # False for NaN
-        skew = imbalance(max(counts), sum(counts), len(counts))
-        return AuditReport(
-            trainer.global_step, objective_error, replica_error, skew, norm, expected_norm, counts, passed
-        )
+        skew, step = imbalance(max(counts), sum(counts), len(counts)), trainer.global_step
+        return AuditReport(step, objective_error, replica_error, skew, norm, expected_norm, counts, passed)
 
 
 def _mismatch_message(report: AuditReport, rtol: float) -> str:
@@ -351,12 +339,8 @@ def _training_step(trainer: Trainer, pl_module: LightningModule, args: tuple[Any
 
 def flat(tensors: Sequence[Tensor | None], like: Sequence[Tensor]) -> Tensor:
     """Concatenates ``tensors`` as float64 on ``like``'s device; a missing tensor reads as zeros shaped as ``like``."""
-    return torch.cat(
-        [
-            (tensor.detach() if tensor is not None else torch.zeros_like(reference)).reshape(-1).double()
-            for tensor, reference in zip(tensors, like, strict=True)
-        ]
-    )
+    pairs = zip(tensors, like, strict=True)
+    return torch.cat([(t.detach() if t is not None else torch.zeros_like(r)).reshape(-1).double() for t, r in pairs])
 
 
 @contextlib.contextmanager

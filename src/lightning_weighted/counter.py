@@ -97,8 +97,6 @@ class ItemCounter(Callback):
     Example::
 
         >>> batch = {"labels": torch.tensor([[5, 7, 9], [5, 6, -100]]), "image_mask": torch.tensor([[1, 1, 0]])}
-        >>> ItemCounter("tokens", key="labels", shift=True).count_of(batch)
-        tensor(3)
         >>> image = lambda batch: batch["image_mask"].sum()
         >>> parts = ItemCounter(parts={"text": ItemCounter("tokens", key="labels"), "image": image})
         >>> [float(c.value) for c in parts.counts(batch)]
@@ -126,10 +124,7 @@ class ItemCounter(Callback):
             raise ValueError(f"parts={parts!r} is not a dict of named parts: pass {{'name': ItemCounter(...), ...}}")
         self.count, self.key, self.ignore_index, self.mask, self.shift = count, key, ignore_index, mask, shift
         self.integer = count in ("examples", "tokens") if integer is None else integer
-        self.parts = {
-            str(name): part if isinstance(part, ItemCounter) else ItemCounter(part)
-            for name, part in (parts or {}).items()
-        }
+        self.parts = {str(n): p if isinstance(p, ItemCounter) else ItemCounter(p) for n, p in (parts or {}).items()}
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -164,10 +159,7 @@ class ItemCounter(Callback):
         if callable(self.count):
             return self.count(batch)
         subs = batch.values() if isinstance(batch, Mapping) else batch
-        total: Any = 0
-        for sub in subs:
-            if sub is not None:  # a loader out of batches, in mode "max_size"
-                total = total + self.count_of(sub)
+        total: Any = sum((self.count_of(sub) for sub in subs if sub is not None), 0)  # None: a loader out of batches
         return total  # type: ignore[no-any-return]
 
     @override

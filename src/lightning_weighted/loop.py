@@ -54,13 +54,7 @@ class Output:
 
 
 def read_output(output: object) -> Output:
-    """What a step returned: a loss, or a dict of ``"loss"``, ``"count"``, ``"reduction"``, ``"parts"`` and ``"aux"``.
-
-    Example::
-
-        >>> read_output({"loss": torch.tensor(6.0), "count": 3, "reduction": "sum"}).count
-        Count(value=3.0, problem=None, implicit=False)
-    """
+    """What a step returned: a loss, or a dict of ``"loss"``, ``"count"``, ``"reduction"``, ``"parts"``, ``"aux"``."""
     if not isinstance(output, Mapping):
         return Output(output if isinstance(output, Tensor) else None)
     loss = output.get("loss")

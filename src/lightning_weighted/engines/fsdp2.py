@@ -52,6 +52,7 @@ class FSDP2Engine:
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None) -> None:
         require_torch(FSDP2_TORCH, "strategy='fsdp2_weighted'")
         from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
 
         self.module, self.group = module, group
         self.zeroing = False  # while True, a local gradient on its way into a reduction keeps its finite values
@@ -61,12 +62,22 @@ class FSDP2Engine:
                 f"{type(module).__name__} holds no FSDP2 module: apply `torch.distributed.fsdp.fully_shard` in"
                 " `configure_model` (to each block, then to the whole model) so that its gradients are reduced."
             )
-        _check_sharded(module)
+        plain = [name for name, p in module.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
+        if plain:
+            raise ValueError(
+                f"{len(plain)} trainable parameters are not sharded by FSDP2 (first: {plain[0]!r}), so their gradients"
+                " would not be reduced. Apply `fully_shard` to the module that holds them as well (usually the whole"
+                " model, after its blocks) in `configure_model`, or freeze them."
+            )
         names = {child: name for name, child in module.named_modules()}
         for fsdp in modules:
-            groups = fsdp2_param_groups(fsdp)
-            for param_group in groups:
-                _check_dtypes(names[fsdp] or "(the root)", fsdp, fsdp2_policies(param_group))
+            groups, dtypes = fsdp2_param_groups(fsdp), {p.dtype for p in fsdp.parameters() if p.requires_grad}
+            for policy in (policy for param_group in groups for policy in fsdp2_policies(param_group)):
+                if torch.float16 in (policy.reduce_dtype, policy.param_dtype, *dtypes):
+                    name = names[fsdp] or "(the root)"
+                    raise ValueError(
+                        f"FSDP2 module {name!r} computes or reduces its gradients in float16: {policy}. {FP16_FIX}."
+                    )
             fsdp.set_gradient_divide_factor(1.0)
             fsdp.set_force_sum_reduction_for_comms(True)
             if groups:
@@ -137,27 +148,6 @@ def shard_blocks(module: nn.Module, mesh: Any) -> nn.Module:
     visit("", module)
     fully_shard(module, mesh=mesh["data_parallel"])
     return module
-
-
-def _check_sharded(module: nn.Module) -> None:
-    from torch.distributed.tensor import DTensor
-
-    plain = [name for name, p in module.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
-    if plain:
-        raise ValueError(
-            f"{len(plain)} trainable parameters are not sharded by FSDP2 (first: {plain[0]!r}), so their gradients"
-            " would not be reduced. Apply `fully_shard` to the module that holds them as well (usually the whole"
-            " model, after its blocks) in `configure_model`, or freeze them."
-        )
-
-
-def _check_dtypes(name: str, fsdp: nn.Module, policies: list[Any]) -> None:
-    dtypes = {param.dtype for param in fsdp.parameters() if param.requires_grad}
-    for policy in policies:
-        if torch.float16 in (policy.reduce_dtype, policy.param_dtype, *dtypes):
-            raise ValueError(
-                f"FSDP2 module {name!r} computes or reduces its gradients in float16: {policy}. {FP16_FIX}."
-            )
 
 
 def _shards_over_one_rank(group: Any) -> bool:

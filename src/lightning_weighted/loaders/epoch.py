@@ -1,16 +1,10 @@
 """One rank's pass over one loader: its real batches, then replays until every rank is done; counted; resumable.
 
-**Replays.** A rank whose data runs out replays its last real batch (a peer's first if it had none) with a count of
-0, so its step's collectives stay matched and it contributes nothing. :meth:`Participation.replay` is the one rule
-every counter asks. Every rank's epoch ends at the same step: after the longest rank's last batch, or, unsized, at
-the first window end where no rank has a real batch left.
-
-**Counting ahead.** Each batch is counted on the host as it is fetched, a window's before its first forward.
-
-**Resume.** A checkpoint keeps each rank's place (:meth:`EpochBatches.state`): its position, its real batches, and
-its loader's own state before the first batch not yet trained. A resumed pass starts there: a loader whose state
-was put back continues, one without state skips what was trained, and one put back is read to its end after its
-last real batch, as an uninterrupted epoch reads it.
+A rank whose data runs out replays its last real batch (a peer's first if it had none) with a count of 0, so its
+step's collectives stay matched and it contributes nothing (:meth:`Participation.replay`, the one rule). Every
+rank's epoch ends at the same step: after the longest rank's last batch, or, unsized, at the first window end where
+no rank has a real batch left. Counted ahead, each batch is counted on the host as it is fetched. A checkpoint
+keeps each rank's place (:meth:`EpochBatches.state`), its loader's state as of the first batch not yet trained.
 """
 
 from __future__ import annotations
