@@ -115,9 +115,8 @@ def fsdp1_options(strategy: Any) -> tuple[str, dict[str, Any], dict[str, Any]]:
     return strategy._state_dict_type, kwargs, strategy._activation_checkpointing_kwargs
 
 
-# Lightning names the barrier it passes right before it processes a stage's dataloaders (`loops/fit_loop.py`,
-# `loops/evaluation_loop.py`: `strategy.barrier("train_dataloader()")`, ...); `process_dataloader` itself is not
-# told which stage the loader is for.
+# The barrier Lightning's loops pass right before they process a stage's dataloaders (`strategy.barrier(
+# "train_dataloader()")`, ...): `process_dataloader` itself is not told which stage a loader is for.
 LOADER_BARRIERS = {"train_dataloader()": "train", "val_dataloader()": "val", "test_dataloader()": "test"}
 
 

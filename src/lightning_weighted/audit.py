@@ -290,15 +290,20 @@ def local_sums(
     takes_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
     buffers = [(buffer, buffer.detach().clone()) for buffer in pl_module.buffers()]
     cuda = [pl_module.device] if pl_module.device.type == "cuda" else []
+    model = strategy.model  # FSDP1 gathers its parameters only inside its root's forward, as Lightning calls the step
+    root = model if isinstance(strategy, FSDPStrategy) and model is not None and model is not pl_module else None
     with _rerun_step(pl_module), torch.enable_grad():
         for microbatch in window:
             with torch.random.fork_rng(devices=cuda), targets.used() as used:
                 torch.set_rng_state(microbatch.rng[0])
                 if cuda:
                     torch.cuda.set_rng_state(microbatch.rng[1], cuda[0])
-                with trainer.strategy.precision_plugin.train_step_context():
+                with strategy.precision_plugin.train_step_context():
                     args = (microbatch.batch, microbatch.batch_idx) if takes_index else (microbatch.batch,)
-                    step = read_output(_training_step(trainer, pl_module, args))
+                    if root is not None:
+                        step = read_output(forward_redirection(strategy, root, pl_module, "training_step", *args))
+                    else:
+                        step = read_output(pl_module.training_step(*args))
             losses = [step.parts.get(name) if step.parts else None for name in names] if names else [step.loss]
             if any(loss is None or loss.grad_fn is None for loss in losses):
                 continue  # Lightning skips a `None` step; a loss without a graph fails its own backward
@@ -327,14 +332,6 @@ def _counts(trainer: Trainer, step: Output, batch: Any) -> list[Count]:
     if isinstance(strategy, WeightedTrainerStrategy):
         return strategy.counts_of(step, batch)
     return [step.count if step.count is not None else Count(float(extract_batch_size(batch)))]
-
-
-def _training_step(trainer: Trainer, pl_module: LightningModule, args: tuple[Any, ...]) -> Any:
-    """``training_step`` through the model's wrapper where it is FSDP1's root, as Lightning calls it."""
-    model = trainer.strategy.model
-    if isinstance(trainer.strategy, FSDPStrategy) and model is not None and model is not pl_module:
-        return forward_redirection(trainer.strategy, model, pl_module, "training_step", *args)
-    return pl_module.training_step(*args)
 
 
 def flat(tensors: Sequence[Tensor | None], like: Sequence[Tensor]) -> Tensor:

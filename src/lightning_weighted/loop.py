@@ -10,6 +10,7 @@ import math
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,7 @@ from torch import Tensor
 
 from lightning_weighted._compat import multiply
 from lightning_weighted.engines import Engine
+from lightning_weighted.loaders.sampler import marked
 from lightning_weighted.window import (
     SUMMED,
     Count,
@@ -319,6 +321,11 @@ class WeightedStrategy:
     def padding_step(self) -> bool:
         """The batch in progress replays a batch of a rank whose data ran out (it counts for nothing)."""
         raise NotImplementedError
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """The strategy's, ``num_replicas`` marked so that its padding sampler is told from the user's."""
+        return marked(super().distributed_sampler_kwargs)  # type: ignore[misc]  # the Lightning strategy's, next
 
     @property
     def data_parallel_group(self) -> dist.ProcessGroup | None:

@@ -19,7 +19,7 @@ from typing_extensions import override
 from lightning_weighted._compat import BackwardSyncControl, unfloored
 from lightning_weighted.engines import Engine
 from lightning_weighted.fabric._loader import FabricLoader, Yielded
-from lightning_weighted.loaders import Participation, Policy, marked, participating, without_padding
+from lightning_weighted.loaders import Participation, Policy, participating, without_padding
 from lightning_weighted.loop import Output, WeightedStrategy, WindowLoop, terms
 from lightning_weighted.window import FABRIC, Count, Problem, read_count
 
@@ -49,11 +49,6 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
     @override
     def padding_step(self) -> bool:
         return self._yielded.replay
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return marked(super().distributed_sampler_kwargs)
 
     def _start(self, engine: Engine) -> None:
         """Builds the loop over the engine of the model just set up (one model per strategy)."""
@@ -178,8 +173,6 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
-        # Each item once per epoch (no padding sampler); where the ranks' batch counts differ, every rank yields
-        # batches until every rank is done. A loader with as many batches everywhere is left as it is.
         participation = Participation(self._policy)
         loader, stage = participating(without_padding(dataloader), participation, self.root_device)
         return FabricLoader(loader, participation, self._yielded) if stage is not None else loader

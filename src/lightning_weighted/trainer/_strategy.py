@@ -25,7 +25,7 @@ from typing_extensions import override
 from lightning_weighted._compat import fetched_batch, train_batch_idx, train_progress, unfloored
 from lightning_weighted.counter import ItemCounter
 from lightning_weighted.engines import Engine
-from lightning_weighted.loaders import Policy, marked
+from lightning_weighted.loaders import Policy
 from lightning_weighted.loop import Output, WeightedStrategy, WindowLoop, read_output
 from lightning_weighted.trainer._loaders import FitLoaders
 from lightning_weighted.trainer._seam import BatchState, EvaluationLoss, Seam
@@ -72,11 +72,6 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
     @override
     def padding_step(self) -> bool:
         return self._seam.batch.replay
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return marked(super().distributed_sampler_kwargs)
 
     @override
     def setup(self, trainer: Trainer) -> None:
