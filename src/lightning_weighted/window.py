@@ -78,12 +78,14 @@ class Wording:
         fix: the sentence that says what a valid count is and where it goes.
         hooks: the hooks that change a batch between the loader and the step (``"on_after_batch_transfer"``).
         strategy: the strategy's name.
+        ahead: what took a count ahead, as in ``"ItemCounter took from the same batch"``.
     """
 
     source: str
     fix: str
     hooks: str = "a transfer hook"
     strategy: str = "a weighted strategy"
+    ahead: str = "ItemCounter took from the same batch"
 
 
 TRAINER = Wording(
@@ -97,6 +99,7 @@ FABRIC = Wording(
     "Pass each microbatch's count as `fabric.backward(loss, count=n)`, where `loss` is the mean over the"
     " microbatch's `n` valid items (or their sum, with `reduction='sum'`) and `n` is their number (or the sum of"
     " their sample weights): an int, a float or a 0-dim tensor, finite and >= 0",
+    ahead="fabric.strategy.count_ahead was given for the same microbatch",
 )
 _MESSAGES: dict[Problem, tuple[type[Exception], str]] = {
     Problem.NEGATIVE: (ValueError, "a microbatch's count is negative ({value!r})"),
@@ -119,8 +122,8 @@ _MESSAGES: dict[Problem, tuple[type[Exception], str]] = {
     Problem.MISSING: (TypeError, "{source} no count"),
     Problem.DISAGREES: (
         ValueError,
-        "{source} a count ({value!r}) that differs from the one ItemCounter took from the same batch; make them"
-        " agree (e.g. the causal shift, `ignore_index`), or drop one of them",
+        "{source} a count ({value!r}) that differs from the one {ahead}; make them agree (e.g. the causal shift,"
+        " `ignore_index`), or drop one of them",
     ),
     Problem.AUX: (
         TypeError,
@@ -323,16 +326,18 @@ class Window:
 
         A tensor is compared on its device (no host read); the microbatch keeps the planned count's factor.
         """
-        if planned.problem is not None or isinstance(given.problem, Problem):
-            if isinstance(given.problem, Problem):
+        if isinstance(planned.problem, Problem) or isinstance(given.problem, Problem):
+            if not isinstance(planned.problem, Problem) and isinstance(given.problem, Problem):
                 self.reject(given.problem, given.value if isinstance(given.value, float) else math.nan)
             return
-        if isinstance(given.value, Tensor):
-            assert isinstance(given.problem, Tensor)
-            differs = (given.value != planned.value) & (given.problem == 0)
-            self._tensors.append((given.value, torch.where(differs, float(problem), given.problem), None, None))
+        tensor = next((v for v in (given.value, planned.value) if isinstance(v, Tensor)), None)
+        if tensor is not None:  # compared on the device
+            n = torch.as_tensor(given.value, dtype=torch.float64, device=tensor.device)
+            kind = given.problem if isinstance(given.problem, Tensor) else torch.zeros_like(n)
+            differs = (n != planned.value) & (kind == 0) & (planned.problem is None or planned.problem == 0)
+            self._tensors.append((n, torch.where(differs, float(problem), kind), None, None))
         elif given.value != planned.value:
-            self.reject(problem, given.value)
+            self.reject(problem, float(given.value))
 
     def aux_factor(self) -> float | None:
         """What an auxiliary term is multiplied by: :math:`D / (P M)`, each microbatch of each rank alike.
@@ -477,7 +482,7 @@ def problem_error(rows: Sequence[Sequence[float]], wording: Wording = TRAINER) -
 
 
 def _format(what: str, value: object, wording: Wording) -> str:
-    return what.format(value=value, source=wording.source, hooks=wording.hooks)
+    return what.format(value=value, source=wording.source, hooks=wording.hooks, ahead=wording.ahead)
 
 
 def imbalance(largest: float, items: float, ranks: int) -> float:

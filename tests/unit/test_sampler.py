@@ -105,12 +105,6 @@ def test_a_stateful_loader_lightning_rebuilt_around_its_sampler_shards_every_ite
     assert [len(shard) for shard in shards] == [4, 3]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="src bug: without_padding swaps Lightning's DistributedSamplerWrapper for an UnpaddedDistributedSampler"
-    " over the wrapper's dataset view, which yields positions 0..n-1 instead of what the user's sampler draws"
-    " (loaders/sampler.py defines _UnpaddedWrapper for this and never uses it)",
-)
 def test_lightnings_wrapper_of_a_users_sampler_is_unpadded_keeping_what_the_users_sampler_draws():
     from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 

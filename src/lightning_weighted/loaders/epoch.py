@@ -149,7 +149,7 @@ class EpochBatches:
         at = trained if real is None or trained < real else max(real - 1, 0)
         loader = None
         if self.loader_state is not None:
-            loader = self._states.get(at) or copy.deepcopy(self.loader_state())
+            loader = self._states[at] if at in self._states else copy.deepcopy(self.loader_state())
         return {"position": trained, "real": real, "at": at, "loader": loader}
 
     def state_before(self, position: int) -> dict[str, Any] | None:

@@ -95,13 +95,9 @@ def without_padding(dataloader: object) -> object:
         sampler = batches.sampler
     if not _inserted(sampler):
         return dataloader
-    unpadded = UnpaddedDistributedSampler(
-        sampler.dataset,
-        num_replicas=sampler.num_replicas,
-        rank=sampler.rank,
-        shuffle=sampler.shuffle,
-        seed=sampler.seed,
-    )
+    kind = _UnpaddedWrapper if isinstance(sampler, DistributedSamplerWrapper) else UnpaddedDistributedSampler
+    unpadded = kind(sampler.dataset, sampler.num_replicas, sampler.rank, sampler.shuffle, sampler.seed)
+    unpadded.set_epoch(sampler.epoch)
     if batches is None or (isinstance(batches, BatchSampler) and batches.sampler is sampler):
         set_sampler(dataloader, unpadded, keep=dataloader.sampler is not sampler)
         return dataloader
