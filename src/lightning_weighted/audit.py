@@ -28,7 +28,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_weighted._compat import forward_redirection
-from lightning_weighted.loop import Output, WeightedStrategy, read_output
+from lightning_weighted.loop import Output, read_output
+from lightning_weighted.strategy import WeightedStrategy
 from lightning_weighted.trainer._seam import logs_ignored
 from lightning_weighted.trainer._strategy import WeightedTrainerStrategy
 from lightning_weighted.window import TRAINER, Count, imbalance

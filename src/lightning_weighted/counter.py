@@ -11,7 +11,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_weighted.loop import weighted
+from lightning_weighted.strategy import weighted
 from lightning_weighted.window import Count, read_count
 
 __all__ = ["ItemCounter", "count_documents", "count_examples", "count_tokens", "count_weights"]

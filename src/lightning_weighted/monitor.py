@@ -18,7 +18,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_weighted._compat import trainer_of
-from lightning_weighted.loop import WeightedStrategy, weighted
+from lightning_weighted.strategy import WeightedStrategy, weighted
 from lightning_weighted.window import WindowResult, imbalance
 
 __all__ = ["ItemMetrics", "ItemMonitor", "loggable"]

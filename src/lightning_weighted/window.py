@@ -101,66 +101,43 @@ FABRIC = Wording(
     " their sample weights): an int, a float or a 0-dim tensor, finite and >= 0",
     ahead="fabric.strategy.count_ahead was given for the same microbatch",
 )
-_MESSAGES: dict[Problem, tuple[type[Exception], str]] = {
-    Problem.NEGATIVE: (ValueError, "a microbatch's count is negative ({value!r})"),
-    Problem.NOT_FINITE: (ValueError, "a microbatch's count is not finite ({value!r})"),
-    Problem.NOT_A_NUMBER: (TypeError, "a microbatch's count is not a number"),
-    Problem.NOT_A_SCALAR: (TypeError, "a microbatch's count is a tensor with more than one element"),
-    Problem.NO_LOSS: (RuntimeError, "{source} None instead of a loss"),
-    Problem.NO_GRAPH: (RuntimeError, "{source} a loss that is not attached to the graph"),
-    Problem.FRACTIONAL: (ValueError, "a microbatch's count of examples or tokens is fractional ({value!r})"),
-    Problem.TOO_LARGE: (
-        ValueError,
-        "the window's count reaches 2**53 ({value!r}), where one item no longer changes a float64 sum;"
-        " count in coarser units or rescale the sample weights",
-    ),
-    Problem.REDUCTION: (
-        ValueError,
-        "{source} a 'reduction' that is neither 'mean' nor 'sum'; use 'sum' with a loss summed over the"
-        " microbatch's items, or leave it out for a mean",
-    ),
-    Problem.MISSING: (TypeError, "{source} no count"),
-    Problem.DISAGREES: (
-        ValueError,
-        "{source} a count ({value!r}) that differs from the one {ahead}; make them agree (e.g. the causal shift,"
-        " `ignore_index`), or drop one of them",
-    ),
-    Problem.AUX: (
-        TypeError,
-        "{source} an 'aux' that is not a dict of one-element tensors; give each auxiliary term a name:"
-        " `'aux': {{'load_balance': lb, 'z': z}}`",
-    ),
-    Problem.AUX_AFTER: (
-        ValueError,
-        "{source} auxiliary terms ('aux'), which are averaged as plain DDP averages them, over the window's"
-        " microbatches and ranks; that needs the window's N before its backward, and its counts came after its"
-        " forwards. Count the batches ahead (`ItemCounter`, or `fabric.strategy.count_ahead` under Fabric), or add"
-        " the terms into 'loss' with the weight you want",
-    ),
-    Problem.CHANGED: (
-        ValueError,
-        "the batch training_step received holds {value!r} items where ItemCounter counted another number in the"
-        " batch the loader yielded: {hooks} changed it on its way to the step. Make the change in the dataset or"
-        " the collate_fn, so that ItemCounter counts it, or return `{{'loss': loss, 'count': n}}` from"
-        " training_step and drop ItemCounter",
-    ),
-    Problem.AMBIGUOUS: (
-        ValueError,
-        "{source} no count for a batch that combines several dataloaders, whose number of examples is ambiguous"
-        " (Lightning's batch size is the first loader's). Return `{{'loss': loss, 'count': n}}`, or count with"
-        " `ItemCounter('examples')` (every loader's rows) or `ItemCounter(lambda batch: ...)`",
-    ),
-    Problem.PARTS: (
-        ValueError,
-        "{source} loss parts whose names differ from the parts ItemCounter counts (or no 'parts' where it counts"
-        " several); return `{{'loss': total, 'parts': {{name: mean, ...}}}}` with one mean per counted part",
-    ),
-    Problem.PARTS_AFTER: (
-        ValueError,
-        "{source} loss parts ('parts'), each a mean over its own items, whose gradients cannot be divided by their"
-        " own counts once they are accumulated together. Count each part ahead: `ItemCounter(parts={{name:"
-        " ItemCounter(...), ...}})`, or `fabric.strategy.count_ahead({{name: [n, ...], ...}})` under Fabric",
-    ),
+_MESSAGES: dict[Problem, str] = {  # a ValueError each, but for the types of `_TYPES`
+    Problem.NEGATIVE: "a microbatch's count is negative ({value!r})",
+    Problem.NOT_FINITE: "a microbatch's count is not finite ({value!r})",
+    Problem.NOT_A_NUMBER: "a microbatch's count is not a number",
+    Problem.NOT_A_SCALAR: "a microbatch's count is a tensor with more than one element",
+    Problem.NO_LOSS: "{source} None instead of a loss",
+    Problem.NO_GRAPH: "{source} a loss that is not attached to the graph",
+    Problem.FRACTIONAL: "a microbatch's count of examples or tokens is fractional ({value!r})",
+    Problem.TOO_LARGE: "the window's count reaches 2**53 ({value!r}), where one item no longer changes a float64 sum;"
+    " count in coarser units or rescale the sample weights",
+    Problem.REDUCTION: "{source} a 'reduction' that is neither 'mean' nor 'sum'; use 'sum' with a loss summed over"
+    " the microbatch's items, or leave it out for a mean",
+    Problem.MISSING: "{source} no count",
+    Problem.DISAGREES: "{source} a count ({value!r}) that differs from the one {ahead}; make them agree (e.g. the"
+    " causal shift, `ignore_index`), or drop one of them",
+    Problem.AUX: "{source} an 'aux' that is not a dict of one-element tensors; give each auxiliary term a name:"
+    " `'aux': {{'load_balance': lb, 'z': z}}`",
+    Problem.AUX_AFTER: "{source} auxiliary terms ('aux'), which are averaged as plain DDP averages them, over the"
+    " window's microbatches and ranks; that needs the window's N before its backward, and its counts came after its"
+    " forwards. Count the batches ahead (`ItemCounter`, or `fabric.strategy.count_ahead` under Fabric), or add the"
+    " terms into 'loss' with the weight you want",
+    Problem.CHANGED: "the batch training_step received holds {value!r} items where ItemCounter counted another number"
+    " in the batch the loader yielded: {hooks} changed it on its way to the step. Make the change in the dataset or"
+    " the collate_fn, so that ItemCounter counts it, or return `{{'loss': loss, 'count': n}}` from training_step and"
+    " drop ItemCounter",
+    Problem.AMBIGUOUS: "{source} no count for a batch that combines several dataloaders, whose number of examples is"
+    " ambiguous (Lightning's batch size is the first loader's). Return `{{'loss': loss, 'count': n}}`, or count with"
+    " `ItemCounter('examples')` (every loader's rows) or `ItemCounter(lambda batch: ...)`",
+    Problem.PARTS: "{source} loss parts whose names differ from the parts ItemCounter counts (or no 'parts' where it"
+    " counts several); return `{{'loss': total, 'parts': {{name: mean, ...}}}}` with one mean per counted part",
+    Problem.PARTS_AFTER: "{source} loss parts ('parts'), each a mean over its own items, whose gradients cannot be"
+    " divided by their own counts once they are accumulated together. Count each part ahead: `ItemCounter(parts="
+    "{{name: ItemCounter(...), ...}})`, or `fabric.strategy.count_ahead({{name: [n, ...], ...}})` under Fabric",
+}
+_TYPES: dict[Problem, type[Exception]] = {
+    **dict.fromkeys((Problem.NOT_A_NUMBER, Problem.NOT_A_SCALAR, Problem.MISSING, Problem.AUX), TypeError),
+    **dict.fromkeys((Problem.NO_LOSS, Problem.NO_GRAPH), RuntimeError),
 }
 _WITH_VALUE = (Problem.NEGATIVE, Problem.NOT_FINITE, Problem.FRACTIONAL, Problem.TOO_LARGE, Problem.DISAGREES)
 
@@ -469,13 +446,14 @@ def problem_error(rows: Sequence[Sequence[float]], wording: Wording = TRAINER) -
     kinds = {problem for _, problem, _ in found}
     if len(found) == 1:
         rank, problem, value = found[0]
-        error_type, what = _MESSAGES[problem]
+        error_type, what = _TYPES.get(problem, ValueError), _MESSAGES[problem]
         # a whole number quoted as an int (`-29`, not `-29.0`)
         whole = abs(value) < 2**53 and value.is_integer()
         quoted = (int(value) if whole else value) if problem in (*_WITH_VALUE, Problem.CHANGED) else None
         return error_type(f"on rank {rank}, {_format(what, quoted, wording)}. {wording.fix}.")
     if len(kinds) == 1:
-        error_type, what = _MESSAGES[kinds.pop()]
+        kind = kinds.pop()
+        error_type, what = _TYPES.get(kind, ValueError), _MESSAGES[kind]
         what = what.replace(" ({value!r})", "").replace(" {value!r}", "")  # the values differ
         return error_type(f"on {len(found)} ranks, {_format(what, None, wording)}. {wording.fix}.")
     return ValueError(f"on {len(found)} ranks, a microbatch's count or loss is invalid. {wording.fix}.")

@@ -14,7 +14,7 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_weighted import ItemCounter, ItemMetrics, ItemMonitor, WindowResult, count_documents, count_tokens
-from lightning_weighted.loop import WeightedStrategy
+from lightning_weighted.strategy import WeightedStrategy
 from lightning_weighted.window import Count, Problem, read_count
 
 LABELS = torch.tensor(

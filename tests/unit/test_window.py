@@ -436,29 +436,28 @@ def test_a_window_result_holds_its_step_items_local_items_loss_and_parts_only():
     assert part.parts == {} and combined.parts["text"] is part
 
 
-def test_the_core_imports_no_integration_and_its_pure_modules_no_lightning():
-    # window ← loop, loaders ← trainer, fabric: the loop of windows is the same object for both integrations
+def test_the_core_imports_no_integration_and_no_lightning_and_the_loaders_no_front_end():
+    # window ← loop ← engines: the core; loaders ← trainer, fabric: the loop is the same object for both front ends
     import ast
     from pathlib import Path
 
     import lightning_weighted
 
     root = Path(lightning_weighted.__file__).parent
-    core = [
-        "window.py",
-        "loop.py",
-        *(f"loaders/{p.name}" for p in sorted((root / "loaders").glob("*.py"))),
-        *(f"engines/{p.name}" for p in sorted((root / "engines").glob("*.py"))),
-    ]
-    assert {"loaders/epoch.py", "loaders/sampler.py", "loaders/extension.py", "engines/ddp.py"} <= set(core)
-    for name in core:
+
+    def imports(name: str) -> set[str]:
         tree = ast.parse((root / name).read_text())
-        imported = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        assert not {m for m in imported if m.startswith(("lightning_weighted.trainer", "lightning_weighted.fabric"))}, (
-            name
-        )
-        lightning = {m for m in imported if m == "lightning" or m.startswith("lightning.")}
-        # the sampler warns through rank_zero_warn, and unpads Lightning's wrapper of a sampler of the user's
-        allowed = {"lightning.pytorch.utilities", "lightning.fabric.utilities.distributed"}
-        assert lightning <= (allowed if name == "loaders/sampler.py" else set()), (name, lightning)
+        found = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        return found | {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+
+    core = ["window.py", "loop.py", *(f"engines/{p.name}" for p in sorted((root / "engines").glob("*.py")))]
+    integrations = ("loaders", "trainer", "fabric", "counter", "monitor", "audit", "strategy")
+    for name in core:
+        found = imports(name)
+        assert not {m for m in found if m.startswith(tuple(f"lightning_weighted.{i}" for i in integrations))}, name
+        assert not {m for m in found if m == "lightning" or m.startswith("lightning.")}, name
+    loaders = [f"loaders/{p.name}" for p in sorted((root / "loaders").glob("*.py"))]
+    assert {"loaders/epoch.py", "loaders/sampler.py", "loaders/extension.py"} <= set(loaders)
+    front_ends = ("lightning_weighted.trainer", "lightning_weighted.fabric")
+    for name in loaders:
+        assert not {m for m in imports(name) if m.startswith(front_ends)}, name

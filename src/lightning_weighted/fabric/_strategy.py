@@ -20,7 +20,8 @@ from lightning_weighted._compat import BackwardSyncControl, unfloored
 from lightning_weighted.engines import Engine
 from lightning_weighted.fabric._loader import FabricLoader, Yielded
 from lightning_weighted.loaders import Participation, Policy, participating, without_padding
-from lightning_weighted.loop import Output, WeightedStrategy, WindowLoop, terms
+from lightning_weighted.loop import Output, WindowLoop, terms
+from lightning_weighted.strategy import WeightedStrategy
 from lightning_weighted.window import FABRIC, Count, Problem, read_count
 
 __all__ = ["WeightedFabricStrategy"]

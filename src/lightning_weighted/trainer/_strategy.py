@@ -26,7 +26,8 @@ from lightning_weighted._compat import fetched_batch, train_batch_idx, train_pro
 from lightning_weighted.counter import ItemCounter
 from lightning_weighted.engines import Engine
 from lightning_weighted.loaders import Policy
-from lightning_weighted.loop import Output, WeightedStrategy, WindowLoop, read_output
+from lightning_weighted.loop import Output, WindowLoop, read_output
+from lightning_weighted.strategy import WeightedStrategy
 from lightning_weighted.trainer._loaders import FitLoaders
 from lightning_weighted.trainer._seam import BatchState, EvaluationLoss, Seam
 from lightning_weighted.window import TRAINER, Count, Problem, Wording
