@@ -21,7 +21,8 @@ PLAIN = {  # each weighted variant and anchor, and the plain counterpart it is c
     "raw": {"ddp_weighted": "ddp", "ddp_weighted_after": "ddp", "post_hoc": "ddp", "pre_count": "ddp"},
     "sharded": {"fsdp2_weighted": "fsdp2", "fsdp2_weighted_ahead": "fsdp2", "fsdp_weighted": "fsdp"},
 }
-PLAIN["trainer"] = PLAIN["raw"]
+PLAIN["trainer"] = dict(PLAIN["raw"])
+PLAIN["raw"] |= {"ddp_weighted_parts1": "ddp", "ddp_weighted_parts4": "ddp"}  # counts ahead, 1 and 4 loss parts
 PLAIN["sharded"]["fsdp_weighted_ahead"] = "fsdp"
 PAYLOAD = {"all_reduce[float64]": [1, 8 * 6]}  # the window's payload: 6 float64 values summed (`window.SUMMED`), once
 
@@ -77,12 +78,24 @@ def test_the_weighting_adds_one_payload_all_reduce_per_step_and_ddp_reduces_its_
                 assert plain[0] > 0 and ahead == after == plain, (level, entry["buckets"])
 
 
+def test_loss_parts_add_no_collective_their_counts_ride_in_the_one_payload_all_reduce(results: dict[str, Any]) -> None:
+    for entry in results["raw"]:
+        calls, plain = entry["collectives"], entry["collectives"]["ddp"]
+        for name, parts in (("ddp_weighted_parts1", 1), ("ddp_weighted_parts4", 4)):
+            extra = {kind: value for kind, value in calls[name].items() if plain.get(kind) != value}
+            # one all-reduce per step whatever K: each part's 6 float64 values in one vector (4 parts: 192 B)
+            assert extra == {"all_reduce[float64]": [1, 8 * 6 * parts]}, (name, entry["point"], calls)
+            assert set(plain) <= set(calls[name]), (name, calls)
+            assert entry["buckets"][name] == entry["buckets"]["ddp"], entry["buckets"]  # DDP's own buckets alike
+
+
 def test_the_report_holds_each_level_with_its_tables(results: dict[str, Any]) -> None:
     report = results["report"]
     for title in ("## Raw DDP step", "## Lightning Trainer step", "## Sharded strategies (Trainer)"):
         assert report.count(title) == 1, title
     assert report.count("Final-parameter deviation / first-step gradient deviation") == 3
     assert "| tiny A=2 | ddp_weighted (counts after) | all_reduce[float64] ×1 (48 B) |" in report
+    assert "| tiny A=2 | counts ahead, 4 parts | all_reduce[float64] ×1 (192 B) |" in report
 
 
 @pytest.mark.cost

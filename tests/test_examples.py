@@ -116,3 +116,34 @@ def test_the_fsdp2_variant_stays_on_the_reference_while_plain_fsdp2_drifts(tiny_
     assert max(summary["audit_objective_error"]["fsdp2_weighted"]) < 1e-4
     assert min(summary["audit_objective_error"]["fsdp2"]) > 0.05
     assert len(rows(out / "fsdp2_weighted" / "metrics.csv", "global_loss")) == STEPS
+
+
+def error_table(printed: str) -> dict[str, float]:
+    """The example's table of runs: each run's name and its error against the float64 reference."""
+    rows = re.findall(r"^(ddp\S*(?: \(\w+\))?)\s+(\d\.\de[+-]\d+)$", printed, flags=re.M)
+    return {name: float(error) for name, error in rows}
+
+
+def test_the_grpo_example_sits_on_the_reference_through_the_trainer_and_fabric_while_plain_ddp_does_not(tmp_path):
+    done = run([sys.executable, str(ROOT / "examples" / "grpo_parts.py"), "--out", str(tmp_path)], timeout=120)
+    assert done.returncode == 0, done.stdout[-6000:]
+    errors = error_table(done.stdout)
+    assert set(errors) == {"ddp_weighted (Trainer)", "ddp_weighted (Fabric)", "ddp (Trainer)"}, done.stdout
+    # max|θ − θ_ref| / max|θ_ref − θ_0| after 3 float64 steps: rounding only (measured 2.8e-16 both)
+    assert errors["ddp_weighted (Trainer)"] < 1e-12 and errors["ddp_weighted (Fabric)"] < 1e-12, done.stdout
+    assert errors["ddp (Trainer)"] > 1e-3, done.stdout  # a mean of microbatch means (measured 0.70)
+    assert json.loads((tmp_path / "summary.json").read_text())["error"] == pytest.approx(errors, rel=0.06)
+
+
+def test_the_multimodal_example_sits_on_the_reference_and_logs_each_parts_exact_mean(tmp_path):
+    done = run([sys.executable, str(ROOT / "examples" / "multimodal_parts.py"), "--out", str(tmp_path)], timeout=120)
+    assert done.returncode == 0, done.stdout[-6000:]
+    errors = error_table(done.stdout)
+    assert set(errors) == {"ddp_weighted", "ddp"}, done.stdout
+    assert errors["ddp_weighted"] < 1e-12, done.stdout  # float64 rounding only (measured 5.7e-16)
+    assert errors["ddp"] > 1e-3, done.stdout  # measured 0.44
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert set(summary["reference"]) == {"train/loss/text", "train/loss/image", "val/loss/text", "val/loss/image",
+                                         "val/loss"}  # fmt: skip
+    for key, expected in summary["reference"].items():
+        assert summary["logged"][key] == pytest.approx(expected, rel=1e-12, abs=0), key

@@ -19,8 +19,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from lightning.fabric import Fabric
 from cpu_fsdp import CPUFabricFSDPStrategy
+from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 from reads import ReadSpy, to_device
 from scenario import (

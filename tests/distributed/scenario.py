@@ -133,6 +133,12 @@ def part_masks(x: Tensor, w: Tensor) -> dict[str, Tensor]:
     return {"tokens": w, "positive": w * (x[:, 0] > 0)}
 
 
+def _items(config: Config, batch: Batch) -> float:
+    """A microbatch's items: its token mask's, or with loss parts every part's summed."""
+    x, _, w = batch
+    return float(sum(m.sum() for m in part_masks(x, w).values())) if config.parts else float(w.sum())
+
+
 def part_means(model: nn.Module, x: Tensor, y: Tensor, w: Tensor) -> dict[str, Tensor]:
     """Each part's mean over its own items (finite where it has none: a part counted 0 still runs its backward)."""
     masks, predictions = part_masks(x, w), model(x).squeeze(-1)
@@ -411,11 +417,7 @@ def reference(config: Config) -> dict[str, Any]:
             loss.backward()
             losses.append(loss.item())
             items.append(float(sum(mask.sum() for mask in masks.values())))
-            local_items.append([
-                sum(float(sum(m.sum() for m in (part_masks(b[k][0], b[k][2]) if config.parts else {"": b[k][2]}).values()))
-                    for k in window if k < len(b))
-                for b in per_rank
-            ])  # fmt: skip
+            local_items.append([sum(_items(config, b[k]) for k in window if k < len(b)) for b in per_rank])
             norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
             norms.append(float(norm))
             if config.clip is not None and config.clip_algorithm == "value":
