@@ -21,28 +21,15 @@ from lightning_weighted.monitor import ItemMetrics, ItemMonitor
 from lightning_weighted.trainer import WeightedDDPStrategy, WeightedFSDPStrategy, WeightedModelParallelStrategy
 from lightning_weighted.window import WindowResult
 
+# fmt: off
 __all__ = [
-    "AuditReport",
-    "ItemCounter",
-    "ItemMetrics",
-    "ItemMonitor",
-    "ObjectiveAudit",
-    "ObjectiveMismatchError",
-    "UnpaddedDistributedSampler",
-    "WeightedDDPStrategy",
-    "WeightedFSDPStrategy",
-    "WeightedFabricDDPStrategy",
-    "WeightedFabricFSDPStrategy",
-    "WeightedFabricModelParallelStrategy",
-    "WeightedModelParallelStrategy",
-    "WindowResult",
-    "count_documents",
-    "count_examples",
-    "count_tokens",
-    "count_weights",
-    "is_audit_rerun",
+    "AuditReport", "ItemCounter", "ItemMetrics", "ItemMonitor", "ObjectiveAudit", "ObjectiveMismatchError",
+    "UnpaddedDistributedSampler", "WeightedDDPStrategy", "WeightedFSDPStrategy", "WeightedFabricDDPStrategy",
+    "WeightedFabricFSDPStrategy", "WeightedFabricModelParallelStrategy", "WeightedModelParallelStrategy",
+    "WindowResult", "count_documents", "count_examples", "count_tokens", "count_weights", "is_audit_rerun",
     "shard_blocks",
 ]
+# fmt: on
 
 __version__ = "0.1.0"
 

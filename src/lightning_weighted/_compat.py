@@ -19,39 +19,16 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+# fmt: off
 __all__ = [
-    "LOADER_BARRIERS",
-    "BackwardSyncControl",
-    "StrategyRegistry",
-    "augment_message",
-    "combined_mode",
-    "ddp_kwargs",
-    "fetched_batch",
-    "flat_parameters",
-    "flatten_mesh",
-    "forward_redirection",
-    "fsdp1_options",
-    "fsdp2_param_groups",
-    "fsdp2_policies",
-    "fsdp2_shard_sizes",
-    "fsdp_setup_helpers",
-    "join_enabled",
-    "metric_restore",
-    "metric_snapshot",
-    "multiply",
-    "parallel_sizes",
-    "rebuild_loader",
-    "reduce_scatter",
-    "register",
-    "require_torch",
-    "set_backward_sync_control",
-    "set_parallel_sizes",
-    "set_sampler",
-    "train_batch_idx",
-    "train_progress",
-    "trainer_of",
+    "LOADER_BARRIERS", "BackwardSyncControl", "StrategyRegistry", "augment_message", "combined_mode", "ddp_kwargs",
+    "fetched_batch", "flat_parameters", "flatten_mesh", "forward_redirection", "fsdp1_options", "fsdp2_param_groups",
+    "fsdp2_policies", "fsdp2_shard_sizes", "fsdp_setup_helpers", "join_enabled", "metric_restore", "metric_snapshot",
+    "multiply", "parallel_sizes", "rebuild_loader", "reduce_scatter", "register", "require_torch",
+    "set_backward_sync_control", "set_parallel_sizes", "set_sampler", "train_batch_idx", "train_progress", "trainer_of",
     "unfloored",
 ]
+# fmt: on
 
 # The installed torch's (major, minor): the releases each version branch below serves are named by it.
 TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])

@@ -15,9 +15,9 @@ from torch import nn
 
 import lightning_weighted
 from lightning_weighted import WeightedFSDPStrategy, WeightedModelParallelStrategy
-from lightning_weighted._launch import data_parallel_group
 from lightning_weighted.engines.fsdp2 import FSDP2Engine, shard_blocks
 from lightning_weighted.loop import multiply_gradients
+from lightning_weighted.strategy import data_parallel_group
 
 NAMES = {"fsdp2_weighted": WeightedModelParallelStrategy, "fsdp_weighted": WeightedFSDPStrategy}
 

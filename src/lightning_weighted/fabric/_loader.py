@@ -13,8 +13,6 @@ from typing import Any
 
 from lightning_weighted.loaders import Participation
 
-__all__ = ["FabricLoader", "Yielded"]
-
 
 class Yielded:
     """The batches the set-up loaders yielded last, newest last: each one's loader, position and replay flag."""

@@ -24,8 +24,6 @@ from lightning_weighted.loop import Output, WindowLoop, terms
 from lightning_weighted.strategy import WeightedStrategy
 from lightning_weighted.window import FABRIC, Count, Problem, read_count
 
-__all__ = ["WeightedFabricStrategy"]
-
 
 class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
     """The hooks of a weighted Fabric strategy, each a call into one :class:`~lightning_weighted.loop.WindowLoop`.

@@ -10,10 +10,10 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_weighted._compat import StrategyRegistry, register
-from lightning_weighted._launch import LAUNCHERS
 from lightning_weighted.engines.ddp import DDPEngine, fp16_backward
 from lightning_weighted.fabric._strategy import WeightedFabricStrategy
 from lightning_weighted.loaders import Policy
+from lightning_weighted.strategy import LAUNCHERS
 
 __all__ = ["WeightedFabricDDPStrategy"]
 

@@ -11,10 +11,10 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_weighted._compat import StrategyRegistry, register, set_backward_sync_control
-from lightning_weighted._launch import data_parallel_group, every_rank_data_parallel
 from lightning_weighted.engines.fsdp2 import FSDP2Engine, shard_blocks
 from lightning_weighted.fabric._strategy import MarkWindow, WeightedFabricStrategy
 from lightning_weighted.loaders import Policy
+from lightning_weighted.strategy import data_parallel_group, every_rank_data_parallel
 
 __all__ = ["WeightedFabricModelParallelStrategy"]
 

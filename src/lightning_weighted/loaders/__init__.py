@@ -3,12 +3,9 @@
 from lightning_weighted.loaders.epoch import EpochBatches, Participation, Policy, participating
 from lightning_weighted.loaders.sampler import UnpaddedDistributedSampler, marked, without_padding
 
+# fmt: off
 __all__ = [
-    "EpochBatches",
-    "Participation",
-    "Policy",
-    "UnpaddedDistributedSampler",
-    "marked",
-    "participating",
+    "EpochBatches", "Participation", "Policy", "UnpaddedDistributedSampler", "marked", "participating",
     "without_padding",
 ]
+# fmt: on

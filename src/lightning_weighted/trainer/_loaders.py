@@ -14,8 +14,6 @@ from lightning_weighted.loaders.epoch import combined_lengths, combined_message,
 from lightning_weighted.loaders.extension import extend, extension, own_state, restore
 from lightning_weighted.window import Count
 
-__all__ = ["FitLoaders"]
-
 _KEY = "lightning_weighted"  # each rank's place in its train epoch, in a checkpoint
 
 

@@ -41,22 +41,6 @@ from lightning_weighted.monitor import loggable
 from lightning_weighted.trainer._loaders import FitLoaders
 from lightning_weighted.window import TRAINER, Count, Problem, Window, Wording
 
-__all__ = [
-    "BATCHES",
-    "CLIP",
-    "EPOCH_END",
-    "LOADERS",
-    "METRICS",
-    "REPLAY_LOGS",
-    "SAMPLER_WARNING",
-    "SCHEDULERS",
-    "BatchState",
-    "EvaluationLoss",
-    "Seam",
-    "logs_ignored",
-    "patched",
-]
-
 EPOCH_END = "LightningModule.on_train_batch_start"
 SCHEDULERS = "LightningModule.lr_scheduler_step"
 BATCHES = "Trainer.callbacks"
@@ -81,7 +65,6 @@ class BatchState:
         replays: its loader replays on some rank: values logged across ranks weigh each rank by its batch's realness.
         loader: an evaluation batch's ``dataloader_idx``.
         ends_window: its backward ends the window (the Trainer runs that batch inside ``optimizer_step``).
-        dropped: the epoch ends before it trains (``on_train_batch_start`` returned -1).
         skipped: the window it ended had no item (``N = 0``): step-interval LR schedulers do not step after it.
         plan: counts ahead, its window's counts and ``N``, planned again where the optimizer re-evaluates (LBFGS).
     """
@@ -91,7 +74,6 @@ class BatchState:
     replays: bool = False
     loader: int = 0
     ends_window: bool = False
-    dropped: bool = False
     skipped: bool = False
     plan: tuple[list[list[Count]], Sequence[float | Tensor]] | None = None
 
@@ -183,7 +165,7 @@ class Seam:
             response = -1 if self.loaders.train.stop else hook(batch, batch_idx)
             if response == -1:  # Lightning drops the half window's gradient: so do its counts
                 self.loop.drop()
-                self.batch = BatchState(dropped=True)
+                self.batch = BatchState()
             return response
 
         return on_train_batch_start

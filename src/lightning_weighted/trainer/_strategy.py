@@ -32,8 +32,6 @@ from lightning_weighted.trainer._loaders import FitLoaders
 from lightning_weighted.trainer._seam import BatchState, EvaluationLoss, Seam
 from lightning_weighted.window import TRAINER, Count, Problem, Wording
 
-__all__ = ["WeightedTrainerStrategy", "accumulates"]
-
 _TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 
 

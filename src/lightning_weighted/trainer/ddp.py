@@ -11,10 +11,10 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_weighted._compat import StrategyRegistry, augment_message, ddp_kwargs, join_enabled, register
-from lightning_weighted._launch import LAUNCHERS
 from lightning_weighted.engines import Engine
 from lightning_weighted.engines.ddp import DDPEngine, fp16_backward
 from lightning_weighted.loaders import Policy
+from lightning_weighted.strategy import LAUNCHERS
 from lightning_weighted.trainer._strategy import WeightedTrainerStrategy, accumulates
 
 __all__ = ["WeightedDDPStrategy"]

@@ -10,10 +10,10 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
 from lightning_weighted._compat import StrategyRegistry, register
-from lightning_weighted._launch import data_parallel_group, every_rank_data_parallel
 from lightning_weighted.engines import Engine
 from lightning_weighted.engines.fsdp2 import FP16_FIX, FSDP2Engine
 from lightning_weighted.loaders import Policy
+from lightning_weighted.strategy import data_parallel_group, every_rank_data_parallel
 from lightning_weighted.trainer._strategy import WeightedTrainerStrategy
 
 __all__ = ["WeightedModelParallelStrategy"]
