@@ -44,6 +44,7 @@ HOOK_BEFORE_TRANSFER = r"on_before_batch_transfer"
 MANUAL = r"manual optimization"
 ITERATOR_COUNTER = r"ItemCounter counts the batches Lightning hands training_step.*dataloader_iter"
 COMBINED_UNEVEN = r"different numbers of batches"
+NONE_LOSS = r"training_step returned None"
 SEQUENTIAL = r'does not support the `CombinedLoader\(mode="sequential"\)` mode'  # Lightning's own message
 MESSAGES = {
     "RESUME_WORLD": RESUME_WORLD,
@@ -53,6 +54,7 @@ MESSAGES = {
     "MANUAL": MANUAL,
     "ITERATOR_COUNTER": ITERATOR_COUNTER,
     "COMBINED_UNEVEN": COMBINED_UNEVEN,
+    "NONE_LOSS": NONE_LOSS,
     "SEQUENTIAL": SEQUENTIAL,
 }
 
@@ -306,6 +308,8 @@ ROWS: list[Row] = [
     Row("dataloader-iter-counted-ahead", HOOKS, "`training_step(self, dataloader_iter)` with `ItemCounter`",
         outcome="refused", message=ITERATOR_COUNTER, options={"hook": "dataloader_iter", "accumulate": 1},
         paths=("ahead",), home=("ddp", "ahead")),
+    Row("training-step-none", HOOKS, "`training_step` returns `None` for a batch, Lightning's way to skip it (here"
+        " batch 0, every rank)", outcome="refused", message=NONE_LOSS, options={"hook": "none"}),
     Row("manual-optimization", HOOKS, "manual optimization (`automatic_optimization = False`)",
         outcome="refused", message=MANUAL, options={"hook": "manual"}),
     Row("log-sync-dist", HOOKS, "`self.log(..., sync_dist=True)` on step and epoch in `training_step`, with replays;"

@@ -218,6 +218,8 @@ class MatrixModule(LightningModule):
             self.log("train/items_metric", self.items_metric, on_step=False, on_epoch=True)
         if self.options["early_stopping"]:
             self.log("stopper", float(self.current_epoch), on_step=False, on_epoch=True)
+        if self.hook == "none" and (self.current_epoch, batch_idx) == (0, 0):
+            return None  # Lightning skips such a batch under a single device
         if self.hook == "manual":
             self.manual_backward(mean)
             self.optimizers().step()
