@@ -314,6 +314,8 @@ ROWS: list[Row] = [
         outcome="refused", message=MANUAL, options={"hook": "manual"}),
     Row("log-sync-dist", HOOKS, "`self.log(..., sync_dist=True)` on step and epoch in `training_step`, with replays;"
         " the epoch's logged item sum is exact", options={"hook": "log"}, extra=("logged_items",)),
+    Row("log-sync-dist-32-true", HOOKS, "the same `self.log(..., sync_dist=True)` in a `32-true` run (a float32"
+        " model)", options={"hook": "log", "precision": "32-true"}, extra=("logged_items",)),
     Row("torchmetrics", HOOKS, "a torchmetrics `SumMetric(dist_sync_on_step=True)` updated in `training_step`, with"
         " replays; its epoch value is exact", options={"hook": "metric"}, extra=("metric_items",),
         home=("ddp", "ahead")),
