@@ -712,6 +712,22 @@ def max_relative_error(params: Sequence[Tensor], expected: Sequence[Tensor]) -> 
     return max(float((p.double() - e).abs().max()) for p, e in zip(params, expected, strict=True)) / scale
 
 
+def tables() -> str:
+    """The tables of ``docs/compatibility.md``: the rows, then the messages (``python matrix.py`` prints them)."""
+    names = {regex: name for name, regex in MESSAGES.items()}
+    header = ["row", "area", "feature", "outcome", "message", "engines", "count paths", "test (home cell)"]
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for r in ROWS:
+        message = f"`{names[r.message]}`" if r.message else ""
+        cells = [f"`{r.id}`", r.area, r.feature, r.outcome, message, ", ".join(r.engines), ", ".join(r.paths)]
+        lines.append("| " + " | ".join([*cells, f"`{r.id}-{r.home[0]}-{r.home[1]}`"]) + " |")
+    lines += ["", "| name | regex |", "|---|---|"]
+    for name, regex in MESSAGES.items():
+        quote = "``" if "`" in regex else "`"  # a code span holding a backtick
+        lines.append(f"| `{name}` | {quote}{regex}{quote} |")
+    return "\n".join(lines)
+
+
 def tolerance(row: Row, engine: str) -> float:
     """How close an exact cell must come to the float64 reference."""
     precision = option(row.options, "precision")
@@ -720,3 +736,7 @@ def tolerance(row: Row, engine: str) -> float:
     if precision == "32-true" or engine == "fsdp1":
         return 1e-5  # float32 (FSDP1 casts the float64 model to float32)
     return 1e-9
+
+
+if __name__ == "__main__":
+    print(tables())
