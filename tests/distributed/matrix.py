@@ -120,6 +120,7 @@ DEFAULTS: dict[str, Any] = {
     "epoch_lengths": None,  # per epoch, each rank's batches (with a train_dataloader reloaded every epoch)
     "items": 37,  # shared, user_sharded: the data set's items
     "batch_size": 3,  # shared, user_sharded
+    "shuffle": True,  # shared: the loader's own `shuffle` (Lightning's sampler shuffles a train loader either way)
     "loader": "plain",  # plain | stateful | subclass | batch_sampler
     "num_workers": 0,
     "mode": "tokens",  # tokens (a 0/1 mask per item) | examples (every item counts)
@@ -326,8 +327,9 @@ ROWS: list[Row] = [
         " sampler (19 and 18 items): each item once per epoch", options={"layout": "shared"}),
     Row("iterable", LOADERS, "an `IterableDataset` of 7 and 5 batches (no length)",
         options={"layout": "iterable"}, home=("ddp", "ahead")),
-    Row("stateful-sampler", LOADERS, "torchdata's `StatefulDataLoader` over the 37 items, with Lightning's sampler",
-        options={"layout": "shared", "loader": "stateful"}),
+    Row("stateful-sampler", LOADERS, "torchdata's `StatefulDataLoader(shuffle=False)` over the 37 items, Lightning's"
+        " sampler inserted (it shuffles): each item once per epoch",
+        options={"layout": "shared", "loader": "stateful", "shuffle": False}),
     Row("stateful-per-rank", LOADERS, "`StatefulDataLoader` over each rank's own batches"
         " (`use_distributed_sampler=False`)", options={"loader": "stateful"}, home=("ddp", "ahead")),
     *_combined_rows(),
@@ -421,7 +423,8 @@ def rank_batches(options: Mapping[str, Any], rank: int, epoch: int, world_size: 
 
     ``per_rank`` and ``iterable``: its own batches (on one rank: both ranks' batch ``k`` as its batch ``k``).
     ``shared``: the data set sharded without padding (the permutation ``DistributedSampler`` draws with seed
-    ``epoch``, rank ``r`` taking every ``world_size``-th index from ``r``), batched in order. ``user_sharded``: the
+    ``epoch``, rank ``r`` taking every ``world_size``-th index from ``r``), batched in order. Lightning inserts its
+    sampler with ``shuffle=True`` into every train loader, whatever the loader's own ``shuffle``. ``user_sharded``: the
     user's own ``Subset`` of every second item, in order.
     """
     layout = option(options, "layout")

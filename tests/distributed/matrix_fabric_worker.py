@@ -165,7 +165,7 @@ class Loop:
         self.clock = Clock()
         shared = self.options["layout"] == "shared"
         loader: Any = (
-            DataLoader(Items(self.options), batch_size=self.options["batch_size"], shuffle=True)
+            DataLoader(Items(self.options), batch_size=self.options["batch_size"], shuffle=self.options["shuffle"])
             if shared
             else DataLoader(Batches(self.options, self.fabric.global_rank, self.clock), batch_size=None)
         )

@@ -157,7 +157,7 @@ def train_loader(cell: dict[str, Any], rank: int, clock: Clock, epoch: int) -> A
     if kind == "subclass":
         return NamedLoader(items, "named", batch_size=options["batch_size"], shuffle=True, num_workers=workers)
     make = stateful if kind == "stateful" else DataLoader
-    return make(items, batch_size=options["batch_size"], shuffle=True, num_workers=workers)
+    return make(items, batch_size=options["batch_size"], shuffle=options["shuffle"], num_workers=workers)
 
 
 def parts_of(batch: Any) -> list[Any]:
