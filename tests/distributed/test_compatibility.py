@@ -26,7 +26,7 @@ import pytest
 import torch
 from harness import HERE, ROOT
 from launcher import Done, ranks
-from matrix import ROWS, Row, Step, option
+from matrix import ROWS, Row, option
 
 TIMEOUT = 120  # seconds for one launch, hard; each rank's process group times out after 20 s
 PLAIN_MISS = 1e-3  # the plain strategy misses the reference by more than this (relative), not by a rounding error
@@ -281,4 +281,7 @@ def test_the_plan_of_a_resumed_fabric_loop_with_replays_matches_its_uninterrupte
     row = matrix.BY_ID["fabric-resume-next"]
     assert matrix.fabric_windows(row.options)[:4] == [[(0, 0), (0, 1)], [(0, 2), (0, 3)], [(0, 4), (0, 5)], [(0, 6)]]
     assert matrix.replays(row.options, "fabric")[1][:2] == [(0, 5), (0, 6)]
-    assert isinstance(matrix.plan(row)[0], Step)
+    steps = matrix.plan(row)
+    assert len(steps) == 8  # 2 epochs of 4 windows
+    assert steps[2].ids == [*matrix.batch_ids(0, 0, 4), *matrix.batch_ids(0, 0, 5), *matrix.batch_ids(1, 0, 4)]
+    assert steps[3].ids == matrix.batch_ids(0, 0, 6)  # rank 1's replay adds nothing
