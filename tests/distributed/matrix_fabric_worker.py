@@ -1,0 +1,281 @@
+"""One Fabric loop of one cell of the compatibility matrix (`matrix.py`); every rank saves a record to `<out>.rank<r>`.
+
+The loop is the one a Fabric user writes, LitGPT's among them: it fetches batches from the loader set up by
+`fabric.setup_dataloaders` (over the epochs, or a `CycleIterator` whose windows cross them), reads
+`fabric.strategy.padding_step` as each batch arrives, and ends each window of `accumulate` microbatches with a
+backward outside `fabric.no_backward_sync` (or one marked `window_end=True`), then clips and steps. Counted after,
+each microbatch passes `fabric.backward(loss, count=n)`; counted ahead, the window's batches are fetched first and
+their counts handed to `fabric.strategy.count_ahead`. The plain strategy divides each mean by the window's size.
+
+A resumed loop (`resume`) loads the checkpoint `fabric.save` wrote and fast-forwards to the next microbatch, with
+`continue` or with `next()`; a rollback loads an earlier checkpoint within the run and trains on. The record has the
+cell's Trainer record's shape (`matrix_worker.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import matrix
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+from matrix_worker import as_batch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from worker import rank_arguments, whole
+
+import lightning_weighted
+from lightning_weighted import shard_blocks
+
+PG_TIMEOUT = timedelta(seconds=20)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.epoch = 0
+
+
+class Batches(Dataset[Any]):
+    """One rank's own batches of the epoch the clock names."""
+
+    def __init__(self, options: dict[str, Any], rank: int, clock: Clock) -> None:
+        self.options, self.rank, self.clock = options, rank, clock
+        self.length = len(matrix.rank_batches(options, rank, 0))
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, k: int) -> Any:
+        return as_batch(matrix.rank_batches(self.options, self.rank, self.clock.epoch)[k], self.options["mode"])
+
+
+class Items(Dataset[Any]):
+    def __init__(self, options: dict[str, Any]) -> None:
+        self.x, self.y, self.w = matrix.values(torch.arange(options["items"]), options["mode"])
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.x[i], self.y[i], self.w[i], torch.tensor(i)
+
+
+class CycleIterator:
+    """LitGPT's `CycleIterator` (`litgpt/utils.py`): iterates the loader over and over, counting its epochs."""
+
+    def __init__(self, iterable: Any, clock: Clock) -> None:
+        self.iterable, self.clock = iterable, clock
+        self.epoch = clock.epoch
+        self._iterator: Iterator[Any] | None = None
+
+    def __next__(self) -> Any:
+        if self._iterator is None:
+            self._iterator = iter(self.iterable)
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            self.epoch += 1
+            self.clock.epoch = self.epoch
+            self._iterator = iter(self.iterable)
+            return next(self._iterator)
+
+    def __iter__(self) -> CycleIterator:
+        return self
+
+
+class CPUFSDP1(FSDPStrategy):
+    """Fabric's FSDP1 on the CPU (Fabric refuses its own class there; a subclass wraps with the CPU as device)."""
+
+    def setup_module(self, module: nn.Module) -> Any:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(
+            module=module,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=torch.device("cpu"),
+            **self._fsdp_kwargs,
+        )
+
+
+def make_strategy(cell: dict[str, Any]) -> Any:
+    engine, weighted = cell["engine"], cell["weighted"]
+    if engine == "ddp":
+        return (lightning_weighted.WeightedFabricDDPStrategy if weighted else DDPStrategy)(timeout=PG_TIMEOUT)
+    if engine == "fsdp2":
+        if weighted:
+            return lightning_weighted.WeightedFabricModelParallelStrategy(timeout=PG_TIMEOUT)
+        return ModelParallelStrategy(
+            shard_blocks, data_parallel_size=cell["world_size"], tensor_parallel_size=1, timeout=PG_TIMEOUT
+        )
+    if not weighted:
+        return CPUFSDP1(timeout=PG_TIMEOUT, auto_wrap_policy={nn.Linear}, use_orig_params=True)
+    fsdp1 = getattr(lightning_weighted, "WeightedFabricFSDPStrategy", None)
+    if fsdp1 is None:
+        return "fsdp_weighted"  # Fabric's registry says whether the name exists
+    return fsdp1(timeout=PG_TIMEOUT, auto_wrap_policy={nn.Linear}, use_orig_params=True)
+
+
+def whole_params(model: Any) -> list[torch.Tensor]:
+    """The model's whole parameters: FSDP1's summoned, FSDP2's gathered."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    root = next((m for m in model.modules() if isinstance(m, FullyShardedDataParallel)), None)
+    if root is None:
+        return [whole(p) for p in model.parameters()]
+    with FullyShardedDataParallel.summon_full_params(root, writeback=False):
+        return [whole(p) for p in root.parameters()]
+
+
+def main() -> None:
+    args = rank_arguments()
+    cell = json.loads(args.config)
+    cell["options"] = {**matrix.DEFAULTS, **cell["options"]}
+    rank = int(os.environ["LOCAL_RANK"])
+    record: dict[str, Any] = {"rank": rank, "error": None, "params": None, "steps": [], "global_step": None}
+    record["flags"] = {"fetch": []}
+    try:
+        Loop(cell, args.out, record).run()
+    except BaseException as error:
+        record["error"] = f"{type(error).__name__}: {error}"
+        print(f"MATRIX rank {rank} raised {record['error']}", flush=True)
+        raise
+    finally:
+        torch.save(record, f"{args.out}.rank{rank}")
+
+
+class Loop:
+    def __init__(self, cell: dict[str, Any], out: str, record: dict[str, Any]) -> None:
+        self.cell, self.options, self.out, self.record = cell, cell["options"], out, record
+        self.weighted, self.ahead = cell["weighted"], cell["weighted"] and cell["path"] == "ahead"
+        self.a = int(self.options["accumulate"])
+        self.fabric = Fabric(
+            strategy=make_strategy(cell), accelerator="cpu", devices=cell["world_size"], precision="32-true"
+        )
+        self.fabric.launch()
+        self.model = self.fabric.setup_module(matrix.make_model().double())
+        optimizer = torch.optim.SGD(self.model.parameters(), lr=matrix.LR, momentum=matrix.MOMENTUM)
+        self.optimizer = self.fabric.setup_optimizers(optimizer)
+        self.clock = Clock()
+        shared = self.options["layout"] == "shared"
+        loader: Any = (
+            DataLoader(Items(self.options), batch_size=self.options["batch_size"], shuffle=self.options["shuffle"])
+            if shared
+            else DataLoader(Batches(self.options, self.fabric.global_rank, self.clock), batch_size=None)
+        )
+        self.loader = self.fabric.setup_dataloaders(loader, use_distributed_sampler=shared)
+        self.steps = 0  # optimizer steps done
+        self.micro = 0  # microbatches fetched
+        self.pending: list[tuple[int, int, list[int], bool]] = []
+
+    # ------------------------------------------------------------------------------------------- the stream
+    def stream(self, start: tuple[int, int]) -> Iterator[tuple[int, int, Any, bool]]:
+        """``(epoch, index, batch, replay)`` from epoch ``start[0]`` on; the replay flag read as the batch arrives."""
+        strategy, cycle = self.fabric.strategy, self.options["cycle_steps"]
+        self.clock.epoch = start[0]
+        if cycle is not None:
+            iterator = CycleIterator(self.loader, self.clock)
+            epoch, index = iterator.epoch, 0
+            while True:
+                batch = next(iterator)
+                if iterator.epoch != epoch:
+                    epoch, index = iterator.epoch, 0
+                yield epoch, index, batch, bool(getattr(strategy, "padding_step", False))
+                index += 1
+        for epoch in range(start[0], self.options["epochs"]):
+            self.clock.epoch = epoch
+            for index, batch in enumerate(self.loader):
+                yield epoch, index, batch, bool(getattr(strategy, "padding_step", False))
+
+    def ends_window(self, epoch: int, index: int) -> bool:
+        if self.options["cycle_steps"] is not None:
+            return (self.micro + 1) % self.a == 0
+        return (index + 1) % self.a == 0 or index + 1 == len(self.loader)
+
+    def done(self) -> bool:
+        cycle = self.options["cycle_steps"]
+        return cycle is not None and self.steps == cycle
+
+    # --------------------------------------------------------------------------------------------- the loop
+    def run(self) -> None:
+        start, skip = (0, 0), 0
+        if self.cell.get("resume"):
+            state = {"model": self.model, "optimizer": self.optimizer, "next": None, "steps": 0, "micro": 0}
+            self.fabric.load(self.cell["resume"], state)
+            (epoch, index), self.steps, self.micro = state["next"], state["steps"], state["micro"]
+            self.record["loaded"] = whole_params(self.model)
+            start, skip = (epoch, 0), index  # a fresh pass over the epoch, fast-forwarded past `index` batches
+        source = self.stream(start)
+        if skip and self.options["skip"] == "next":
+            for _ in range(skip):
+                next(source)
+            skip = 0
+        held: list[tuple[int, int, Any, bool]] = []
+        for position, item in enumerate(source):
+            if position < skip:
+                continue  # fast-forward: fetched, not trained
+            epoch, index, _, replay = item
+            self.record["flags"]["fetch"].append((epoch, index, replay))
+            last = self.ends_window(epoch, index)
+            self.micro += 1
+            if not self.ahead:
+                self.backward(item, last)
+            else:
+                held.append(item)
+                if last:
+                    counts = [b[2][2].sum() for b in held]  # each batch's valid items, before any forward
+                    self.fabric.strategy.count_ahead(counts, integer=True)
+                    for k, one in enumerate(held):
+                        self.backward(one, k == len(held) - 1)
+                    held = []
+            if last:
+                self.step(epoch, index)
+                if self.done():
+                    break
+        self.record["global_step"] = self.steps
+        self.record["params"] = whole_params(self.model)
+
+    def backward(self, item: tuple[int, int, Any, bool], last: bool) -> None:
+        epoch, index, (x, y, w, ids), replay = item
+        self.pending.append((epoch, index, ids.tolist(), replay))
+        dtype = torch.float64
+        x, y, w = x.to(dtype), y.to(dtype), w.to(dtype)
+        window_end = self.options["marking"] == "window_end"
+        with self.fabric.no_backward_sync(self.model, enabled=not last and not window_end):
+            mean = matrix.masked_mean(matrix.item_losses(self.model, x, y), w)
+            if not self.weighted:
+                self.fabric.backward(mean / self.a)
+                return
+            keywords: dict[str, Any] = {} if self.ahead else {"count": w.sum()}
+            if window_end:
+                keywords["window_end"] = last
+            self.fabric.backward(mean, **keywords)
+
+    def step(self, epoch: int, index: int) -> None:
+        clip = self.options["fabric_clip"]
+        if clip is not None:
+            self.fabric.clip_gradients(self.model, self.optimizer, max_norm=clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.record["steps"].append({"step": self.steps, "batches": self.pending})
+        self.pending = []
+        self.steps += 1
+        state = {"model": self.model, "optimizer": self.optimizer}
+        if self.options["save_after"] == self.steps and not self.cell.get("resume"):
+            following = (epoch, index + 1) if index + 1 < len(self.loader) else (epoch + 1, 0)
+            self.fabric.save(f"{self.out}.save", {**state, "next": following, "steps": self.steps, "micro": self.micro})
+        rollback = self.options["rollback"]
+        if rollback is not None and self.steps == rollback[0]:
+            self.fabric.save(f"{self.out}.rollback", state)
+        if rollback is not None and self.steps == rollback[1]:
+            self.fabric.load(f"{self.out}.rollback", state)
+
+
+if __name__ == "__main__":
+    main()
