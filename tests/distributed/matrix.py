@@ -349,7 +349,8 @@ ROWS: list[Row] = [
     Row("resume-mid-replay", RESUME, "mid-epoch checkpoint at step 3 while rank 1 replays (it holds no real batch"
         " left), `StatefulDataLoader`", options={"loader": "stateful", "checkpoint": 3, "resume_from": 3}),
     Row("resume-mid-window", RESUME, "`OnExceptionCheckpoint` after an exception on every rank at batch 4, the"
-        " middle of a window (A = 3), `StatefulDataLoader`",
+        " middle of a window (A = 3), `StatefulDataLoader`: the window restarts with the batches after the failure"
+        " (Lightning saves no accumulated gradient)",
         options={"loader": "stateful", "accumulate": 3, "raise_at": (0, 4), "resume_from": "exception"}),
     Row("resume-mid-epoch-stateless", RESUME, "mid-epoch checkpoint (step 2) with a plain `DataLoader`",
         options={"checkpoint": 2, "resume_from": 2}, home=("ddp", "ahead")),
@@ -574,6 +575,7 @@ def trainer_plan(options: Mapping[str, Any]) -> list[Step]:
     epochs = 2 if option(options, "early_stopping") else option(options, "epochs")  # stops after epoch 1
     max_steps, max_time, stop_at = option(options, "max_steps"), option(options, "max_time"), option(options, "stop_at")
     clock = 0  # train batches so far (the max_time clock, one second each)
+    resumed_at = option(options, "raise_at") if option(options, "resume_from") == "exception" else None
     for epoch in range(epochs):
         ranks = epoch_batches(options, epoch)
         a, longest = accumulate_at(options, epoch), max(map(len, ranks))
@@ -583,6 +585,9 @@ def trainer_plan(options: Mapping[str, Any]) -> list[Step]:
                 break  # the epoch ends before batch stop_at[1]: the half window before it is dropped
             if max_time is not None and clock + window.stop > max_time:
                 return steps  # the clock runs out inside this window: Lightning stops after that batch
+            if resumed_at is not None and resumed_at[0] == epoch and resumed_at[1] in window:
+                # Lightning saves no accumulated gradient: the interrupted window trains what came after the failure
+                window = range(resumed_at[1], window.stop)
             held = [b[k] for b in ranks for k in window if k < len(b)]
             steps.append(_step(options, held, len(steps)))
             if max_steps > 0 and len(steps) == max_steps:

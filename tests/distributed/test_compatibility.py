@@ -125,9 +125,8 @@ def train(row: Row, engine: str, path: str, weighted: bool, tmp_path: Path) -> R
         row, engine, path, weighted, resumed_options, tmp_path / "resumed",
         resume=checkpoint_of(row, out), world_size=world,
     )  # fmt: skip
-    uninterrupted = first
-    if resume_from == "exception":
-        uninterrupted, _, _ = launch(row, engine, path, weighted, resumed_options, tmp_path / "whole")
+    # after a failure the interrupted window restarts without the gradient accumulated before it (`matrix.plan`)
+    uninterrupted = first if resume_from != "exception" else None
     start = int(resume_from) if resume_from != "exception" else len(first[0]["steps"]) if first[0] else 0
     return Run(records, done, start, uninterrupted, [first_done])
 

@@ -303,7 +303,7 @@ def _logged_as_nothing(log: Callable[..., None]) -> Callable[..., None]:
     def log_nothing(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if not isinstance(value, Metric):  # a Metric's state is put back after the step instead
             if kwargs.get("reduce_fx", "mean") in ("sum", torch.sum):
-                value = torch.zeros_like(torch.as_tensor(value, dtype=torch.float64))
+                value = torch.zeros_like(torch.as_tensor(value))  # the dtype the real ranks log
             else:
                 kwargs["batch_size"] = 0
         log(name, value, *args, **kwargs)
