@@ -63,6 +63,8 @@ _HOOKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 def _sum_reduce_scatter(engine: FSDP1Engine, grad: Tensor, output: Tensor | None = None) -> None:
     """FSDP1's communication hook: SUM-reduce-scatters the unsharded gradient into ``output``, with no division."""
+    if output is None and dist.get_world_size(engine.group) == 1:
+        return  # one rank: FSDP1 runs NO_SHARD, and the gradient is the sum already
     if output is None:
         raise ValueError(
             "fsdp_weighted reduce-scatters a sharded gradient, but FSDP called its hook without an output shard"
