@@ -9,8 +9,8 @@ The default command runs, on 2 gloo ranks of this machine, each level in fresh p
 every variant of a level in the same rounds (one optimizer step each per round, shuffled order, paired ratios):
 
 - ``raw``: raw ``DistributedDataParallel`` steps (``steps.py``): plain DDP, an A-vs-A control, ddp_weighted with
-  counts ahead and counts after (the package's window loop over DDP's own reducer), post-hoc and pre-count;
-  also the payload all-reduce's time on this loopback;
+  counts ahead and counts after (the package's window loop over DDP's own reducer), counts ahead with 1 and with 4
+  named loss parts, post-hoc and pre-count; also the payload all-reduce's time on this loopback;
 - ``trainer``: the same as whole Lightning ``Trainer`` fits (``fits.py``);
 - ``sharded``: fsdp2_weighted and fsdp_weighted, counts ahead and after, beside plain FSDP2 and FSDP1.
 
@@ -42,12 +42,14 @@ from typing import Any
 from common import HERE, Point, launch, parameter_count, pool
 
 RAW = ["ddp", "ddp_control", "ddp_weighted", "ddp_weighted_after", "post_hoc", "pre_count"]
+PARTS = ["ddp_weighted_parts1", "ddp_weighted_parts4"]  # counts ahead with 1 and 4 named loss parts (raw level)
 SHARDED = ["fsdp2", "fsdp2_control", "fsdp2_weighted", "fsdp2_weighted_ahead", "fsdp", "fsdp_weighted"]
 SHARDED += ["fsdp_weighted_ahead"]
 PAIRS = {name: (name, "ddp") for name in [*RAW, "ddp_callback"]}  # label -> (variant, the one it is divided by)
 PAIRS |= {"after_to_ahead": ("ddp_weighted_after", "ddp_weighted")}
+PAIRS |= {name: (name, "ddp") for name in PARTS} | {"parts4_to_parts1": ("ddp_weighted_parts4", "ddp_weighted_parts1")}
 PAIRS |= {name: (name, name.split("_")[0]) for name in SHARDED}
-LEVELS = {"raw": ("raw", RAW), "trainer": ("fits", [*RAW, "ddp_callback"]), "sharded": ("fits", SHARDED)}
+LEVELS = {"raw": ("raw", [*RAW, *PARTS]), "trainer": ("fits", [*RAW, "ddp_callback"]), "sharded": ("fits", SHARDED)}
 
 
 def grid(args: argparse.Namespace) -> dict[str, list[Point]]:
@@ -320,7 +322,7 @@ def main() -> None:
     args = parser.parse_args(argv)
     if args.command == "instructions" and not args.variants:
         args.variants = "ddp_control,ddp_weighted,ddp_weighted_after"
-        args.variants += ",post_hoc,pre_count" if args.level == "raw" else ",ddp_callback"
+        args.variants += ",post_hoc,pre_count," + ",".join(PARTS) if args.level == "raw" else ",ddp_callback"
     {"all": measure, "overhead": overhead, "instructions": instructions, "rank": rank, "count": count}[args.command](
         args
     )

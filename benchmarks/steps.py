@@ -44,12 +44,9 @@ from common import (
 )
 from torch import Tensor, nn
 
-from lightning_weighted.ahead import Lookahead, Planner
-from lightning_weighted.counts import TRAINER, read_count
-from lightning_weighted.data import Participation
 from lightning_weighted.engines.ddp import DDPEngine
-from lightning_weighted.loop import WindowLoop
-from lightning_weighted.window import SUMMED
+from lightning_weighted.loop import Output, WindowLoop
+from lightning_weighted.window import SUMMED, TRAINER, Count, read_count
 
 CPU = torch.device("cpu")
 
@@ -115,39 +112,96 @@ class AfterStep(PlainDDPStep):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.engine = DDPEngine(self.ddp, self.ddp.module)
-        self.loop = WindowLoop(self.engine, CPU, TRAINER, "ddp_weighted")
-        self.batches = self.steps = 0
-
-    def count(self, batch: Batch) -> Any:
-        return read_count(batch[2].sum())
+        self.loop = WindowLoop(self.engine, CPU, TRAINER)
+        self.steps = 0
 
     def step(self) -> None:
-        for micro, batch in enumerate(self.window()):
-            self.loop.begin_batch(self.batches)
-            self.batches += 1
+        window = self.window()
+        for micro, batch in enumerate(window):
             with self.sync(micro):
                 loss = self.ddp(batch)
-                self.loop.add(loss, self.count(batch), False)
-                self.loop.backward_loss(loss, ends=micro == self.accumulate - 1).backward()
+                self.loop.add(Output(loss, read_count(batch[2].sum())))  # a count on the device, checked there
+                self.backward(self.loop.backward_loss(loss), micro == len(window) - 1, [])
         self.loop.finish(self.steps)
         self.steps += 1
         self.finish()
 
+    def backward(self, loss: Tensor, last: bool, next_items: list[float]) -> None:
+        """One microbatch's backward, the window's exchange started right before the last one (as the strategy)."""
+        if last:
+            self.loop.end(True, next_items)
+        loss.backward()
+        self.engine.after_backward()
+
 
 class AheadStep(AfterStep):
-    """``"ddp_weighted"`` with an ``ItemCounter`` (counts ahead), through the strategy's own pieces (``Lookahead``,
-    ``Planner``, ``WindowLoop``): each batch counted on the host as the stream yields it, every loss scaled by
-    ``P n / N`` before its backward; the payload (this window's flags and loss, the next window's ``N``) in the same
-    one all-reduce."""
+    """``"ddp_weighted"`` with an ``ItemCounter`` (counts ahead), through the package's window loop as the strategy
+    drives it: each batch counted on the host as the stream yields it, every loss scaled by ``P n / N`` before its
+    backward; the payload (this window's flags and loss, the next window's ``N``, counted from the batches fetched
+    ahead) in the same one all-reduce, so that no window but the first sums its counts apart.
+
+    With ``parts`` (the subclasses), the loss is named parts, each counted and averaged over its own items: here
+    each part is the item mean ÷ K over the same valid items, so the objective stays the global item mean that the
+    float64 reference checks, and every part's count travels in the window's one payload all-reduce."""
+
+    parts: tuple[str, ...] = ()
 
     def __init__(self, model: nn.Module, world_size: int, accumulate: int, data: BatchStream) -> None:
         super().__init__(model, world_size, accumulate, data)
-        lookahead = Lookahead(lambda batch: batch[2].sum(), True, Participation())  # integer counts: tokens
-        self.loop.planner = Planner(lookahead, lambda _: accumulate)
-        self.stream = lookahead.iterate(iter(data))
+        self.loop = WindowLoop(self.engine, CPU, TRAINER, self.parts)
+        self.fetched: list[tuple[Batch, list[Count]]] = []  # fetched and counted ahead, not trained yet
+        self.totals: list[float] | None = None  # the next window's N of each part, brought by the last exchange
 
-    def count(self, batch: Batch) -> Any:
-        return None  # the planned count stands
+    def fetch(self, size: int) -> list[tuple[Batch, list[Count]]]:
+        """The next ``size`` batches of the stream (fewer at its end), each counted on the host once, as fetched."""
+        while len(self.fetched) < size:
+            batch = next(self.stream, None)
+            if batch is None:
+                break
+            # counted once on the host; each part's count checked as the strategy checks what a count function gave
+            # (the parts here count the same items: a user's K count functions cost what they cost)
+            items = batch[2].sum().item()
+            self.fetched.append((batch, [read_count(items, integer=True) for _ in self.parts or ("",)]))
+        return self.fetched[:size]
+
+    def step(self) -> None:
+        window = self.fetch(self.accumulate)
+        del self.fetched[: len(window)]
+        self.loop.plan([list(part) for part in zip(*(c for _, c in window), strict=True)], self.totals)
+        following: list[tuple[Batch, list[Count]]] = []
+        next_items: list[float] = []
+        for micro, (batch, _) in enumerate(window):
+            with self.sync(micro):
+                loss = self.ddp(batch)
+                self.loop.add(self.output(loss))
+                last = micro == len(window) - 1
+                if last:  # the next window, counted ahead: its items ride this window's exchange
+                    following = self.fetch(self.accumulate)
+                    parts = range(len(self.parts or ("",)))
+                    next_items = [sum(float(counts[k].value) for _, counts in following) for k in parts]
+                self.backward(self.loop.backward_loss(loss), last, next_items)
+        self.loop.finish(self.steps, True, next_items)
+        self.totals = self.loop.next_totals if following else None  # the stream's end: the next plan sums anew
+        self.steps += 1
+        self.finish()
+
+    def output(self, loss: Tensor) -> Output:
+        if not self.parts:
+            return Output(loss)  # the planned count stands
+        share = loss / len(self.parts)
+        return Output(loss, parts={name: share for name in self.parts})
+
+
+class OnePartStep(AheadStep):
+    """Counts ahead with one named loss part (``ItemCounter(parts={"a": ...})``)."""
+
+    parts = ("a",)
+
+
+class FourPartsStep(AheadStep):
+    """Counts ahead with four named loss parts, each counted by its own function: ``K = 4`` counts per batch."""
+
+    parts = ("a", "b", "c", "d")
 
 
 class PostHocStep(PlainDDPStep):
@@ -189,6 +243,8 @@ VARIANTS: dict[str, type[PlainDDPStep]] = {
     "ddp_weighted_after": AfterStep,
     "post_hoc": PostHocStep,
     "pre_count": PreCountStep,
+    "ddp_weighted_parts1": OnePartStep,
+    "ddp_weighted_parts4": FourPartsStep,
 }
 
 
