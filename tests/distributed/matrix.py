@@ -22,7 +22,9 @@ needs both to read it.
 Every item is named by an integer id, from which its values follow (:func:`values`): the reference needs only the
 ids each optimizer step trains. Per-rank data (``layout="per_rank"``) gives rank ``r``'s batch ``k`` of epoch ``e``
 the ids ``100000 r + 20000 l + 1000 e + 10 k + j`` (``l`` a loader of several); a shared data set (``"shared"``)
-holds the ids ``0 .. items - 1``, sharded by the front end's sampler.
+holds the ids ``0 .. items - 1``, sharded by the front end's sampler; a LitData data set (``"litdata"``, written by
+``litdata.optimize``: ``litdata_items.py``) holds them too, sharded by LitData itself, whose shards :func:`rank_batches`
+reads from LitData (a ``StreamingDataset`` per rank, iterated in this process without a Trainer).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import litdata_items
 import torch
 from torch import Tensor, nn
 
@@ -82,7 +85,8 @@ class Row:
         engines, paths: the cells.
         home: the cell of the default suite.
         extra: checks beyond parameters, replicas, steps and batches (``"padding"``, ``"logged_items"``,
-            ``"metric_items"``).
+            ``"metric_items"``, ``"rank_batches"``: each rank's batches, in order and each in its own order, are
+            :func:`rank_batches`).
         plain: for an exact row, where the plain control stops with an error of Lightning's instead of training:
             ``{engine: regex}``.
     """
@@ -115,13 +119,15 @@ class Row:
 
 
 DEFAULTS: dict[str, Any] = {
-    "layout": "per_rank",  # per_rank | shared | user_sharded | iterable | combined
+    "layout": "per_rank",  # per_rank | shared | user_sharded | iterable | combined | litdata
     "lengths": LENGTHS,  # per_rank, iterable: each rank's batches per epoch
     "epoch_lengths": None,  # per epoch, each rank's batches (with a train_dataloader reloaded every epoch)
-    "items": 37,  # shared, user_sharded: the data set's items
-    "batch_size": 3,  # shared, user_sharded
-    "shuffle": True,  # shared: the loader's own `shuffle` (Lightning's sampler shuffles a train loader either way)
+    "items": 37,  # shared, user_sharded, litdata: the data set's items
+    "batch_size": 3,  # shared, user_sharded, litdata
+    "shuffle": True,  # shared: the loader's own `shuffle` (Lightning's sampler shuffles a train loader either way);
+    # litdata: StreamingDataset(shuffle=...), which deals the items anew each epoch
     "loader": "plain",  # plain | stateful | subclass | batch_sampler
+    "drop_last": None,  # litdata: StreamingDataLoader(drop_last=...); None is LitData's default (True on 2 ranks)
     "num_workers": 0,
     "mode": "tokens",  # tokens (a 0/1 mask per item) | examples (every item counts)
     "epochs": 2,
@@ -339,7 +345,11 @@ ROWS: list[Row] = [
     Row("batch-sampler", LOADERS, "a custom `BatchSampler` subclass (batches of 2, 3 and 4 in turn), Lightning's"
         " sampler inserted into it", options={"layout": "shared", "loader": "batch_sampler"},
         home=("ddp", "ahead")),
-    # LitData's StreamingDataLoader: rows to come (another engineer adds them here, area LOADERS).
+    Row("litdata-uneven", LOADERS, "LitData's `StreamingDataLoader(batch_size=4, drop_last=False)` over a"
+        " `StreamingDataset(shuffle=True)` of the 37 items (`use_distributed_sampler` left on): LitData's own shards"
+        " of 16 and 21 items (4 and 6 batches), each item once per epoch",
+        options={"layout": "litdata", "batch_size": 4, "drop_last": False}, extra=("rank_batches",),
+        home=("ddp", "ahead")),
     # ------------------------------------------------------------------------------------------------- resume
     Row("resume-epoch-end", RESUME, "checkpoint at the end of epoch 0, `fit(ckpt_path=...)` in fresh processes",
         options={"checkpoint": "epoch", "resume_from": 4}, home=("fsdp1", "after")),
@@ -348,6 +358,11 @@ ROWS: list[Row] = [
         home=("ddp", "ahead")),
     Row("resume-mid-replay", RESUME, "mid-epoch checkpoint at step 3 while rank 1 replays (it holds no real batch"
         " left), `StatefulDataLoader`", options={"loader": "stateful", "checkpoint": 3, "resume_from": 3}),
+    Row("resume-mid-replay-litdata", RESUME, "mid-epoch checkpoint at step 5 of 6 (A = 1) while rank 0 replays (its 4"
+        " batches trained), the `StreamingDataLoader` of `litdata-uneven`: the rest of the epoch and the next one as"
+        " uninterrupted (litData#770 replayed the resumed place in the next epoch)",
+        options={"layout": "litdata", "batch_size": 4, "drop_last": False, "accumulate": 1, "checkpoint": 5,
+                 "resume_from": 5}, extra=("rank_batches",)),
     Row("resume-mid-window", RESUME, "`OnExceptionCheckpoint` after an exception on every rank at batch 4, the"
         " middle of a window (A = 3), `StatefulDataLoader`: the window restarts with the batches after the failure"
         " (Lightning saves no accumulated gradient)",
@@ -426,9 +441,16 @@ def rank_batches(options: Mapping[str, Any], rank: int, epoch: int, world_size: 
     ``shared``: the data set sharded without padding (the permutation ``DistributedSampler`` draws with seed
     ``epoch``, rank ``r`` taking every ``world_size``-th index from ``r``), batched in order. Lightning inserts its
     sampler with ``shuffle=True`` into every train loader, whatever the loader's own ``shuffle``. ``user_sharded``: the
-    user's own ``Subset`` of every second item, in order.
+    user's own ``Subset`` of every second item, in order. ``litdata``: what LitData itself deals rank ``rank`` of
+    ``world_size`` (``litdata_items.shards``: the row's loader iterated epoch after epoch in this process, LitData's
+    distributed environment set to that rank), items in LitData's order.
     """
     layout = option(options, "layout")
+    if layout == "litdata":
+        names = ("items", "batch_size", "shuffle", "drop_last", "mode", "num_workers")
+        loader = {name: option(options, name) for name in names}
+        epochs = max(int(option(options, "epochs")), epoch + 1)
+        return litdata_items.shards(loader, epochs, world_size)[rank][epoch]
     if layout in ("per_rank", "iterable"):
         if world_size == 1:
             ranks = [rank_batches(options, r, epoch) for r in range(WORLD)]

@@ -15,6 +15,7 @@ import types
 from datetime import timedelta
 from typing import Any
 
+import litdata_items
 import matrix
 import torch
 import torchmetrics
@@ -143,6 +144,8 @@ def train_loader(cell: dict[str, Any], rank: int, clock: Clock, epoch: int) -> A
             for loader in range(len(options["combined"]["lengths"]))
         }
         return CombinedLoader(parts, mode=options["combined"]["mode"])
+    if layout == "litdata":
+        return litdata_items.loader(options)  # built here, after the process group exists: LitData reads it
     if layout in ("per_rank", "iterable"):
         batches = Batches(options, rank, world_size, clock, epoch)
         dataset: Any = Stream(batches) if layout == "iterable" else batches
@@ -449,7 +452,9 @@ def make_trainer(cell: dict[str, Any], out: str, record: Record) -> Trainer:
         gradient_clip_val=options["clip"],
         gradient_clip_algorithm=options["clip_algorithm"] if options["clip"] is not None else None,
         reload_dataloaders_every_n_epochs=1 if options["reload"] else 0,
-        use_distributed_sampler=options["layout"] == "shared",
+        # shared: Lightning's sampler shards; litdata: Lightning's default, which LitData's users keep (Lightning
+        # inserts no sampler into a loader of an IterableDataset); else each rank's own data
+        use_distributed_sampler=options["layout"] in ("shared", "litdata"),
         callbacks=callbacks,
         logger=False,
         enable_checkpointing=checkpoint is not None or options["raise_at"] is not None,

@@ -8,7 +8,8 @@ row's message before any optimizer step. The plain strategy (`"ddp"`, Lightning'
 trains each exact row with as many batches on every rank, which it needs, and must miss the same reference.
 
 Each row's home cell runs in the default suite; every other cell and every plain control carry the `matrix` marker
-(`python -m pytest -q -m matrix tests/distributed/test_compatibility.py`).
+(`python -m pytest -q -m matrix tests/distributed/test_compatibility.py`). The LitData rows skip where LitData is not
+installed (`pip install --no-deps litdata==0.2.76`, as `.ci/run` does); their data set is written once (`prepared`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import litdata_items
 import matrix
 import pytest
 import torch
@@ -84,11 +86,21 @@ def launch(
     return records, done, out
 
 
+def prepared(row: Row) -> None:
+    """Readies what the row's ranks read: a LitData row's optimized data set, written once (a cache keyed by its
+    content, ``litdata_items.ensure``); the test skips where LitData is not installed."""
+    if option(row.options, "layout") == "litdata":
+        pytest.importorskip("litdata", reason="LitData is not installed (`pip install --no-deps litdata==0.2.76`)")
+        litdata_items.ensure(option(row.options, "items"))
+
+
 def even(row: Row) -> dict[str, Any]:
     """The row's options with as many batches on every rank, which the plain strategies need to train at all
     (training and validation alike: a rank out of batches leaves its peers waiting in a collective)."""
     options = dict(row.options)
     layout = option(options, "layout")
+    if layout == "litdata":
+        options["drop_last"] = None  # LitData's default on 2 ranks: it drops items until the ranks' shards are even
     if layout in ("per_rank", "iterable"):
         options["lengths"] = [max(option(options, "lengths"))] * matrix.WORLD
         if option(options, "epoch_lengths") is not None:
@@ -184,6 +196,10 @@ def departures(row: Row, engine: str, run: Run, weighted: bool = True) -> dict[s
         found["batches"] = f"steps {wrong} trained other items than planned (first: {_diff(got, planned, wrong)})"
     if "padding" in row.extra and weighted:
         found.update(_padding(row, records))
+    if "rank_batches" in row.extra:
+        found.update(_rank_batches(options, records))
+        if run.uninterrupted is not None and all(r is not None for r in run.uninterrupted):
+            found.update(_rank_batches(options, run.uninterrupted, "uninterrupted, "))
     last_epoch = option(options, "epochs") - 1
     for name, key in (("logged_items", "train/items"), ("metric_items", "train/items_metric")):
         if name in row.extra:
@@ -211,6 +227,22 @@ def _padding(row: Row, records: list[Any]) -> dict[str, str]:
     return found
 
 
+def _rank_batches(options: dict[str, Any], records: list[Any], run: str = "") -> dict[str, str]:
+    """Where a rank trained other batches than its own of `matrix.rank_batches` (by position, each item in its place),
+    or replayed before its own were done: the first such batch of each rank."""
+    found = {}
+    for rank, record in enumerate(records):
+        for epoch, index, ids, replay in (batch for step in record["steps"] for batch in step["batches"]):
+            own = matrix.epoch_batches(options, epoch)[rank]
+            if replay != (index >= len(own)) or (not replay and list(ids) != own[index]):
+                expected = "a replay" if index >= len(own) else own[index]
+                found[f"rank_batches ({run}rank {rank})"] = (
+                    f"epoch {epoch} batch {index}: trained {list(ids)} (replay {replay}), its own {expected}"
+                )
+                break
+    return found
+
+
 def refusal(row: Row, run: Run) -> list[str]:
     """How a refused row's run falls short of the refusal: every rank stopped, with the message, before a step."""
     problems = []
@@ -232,6 +264,7 @@ def refusal(row: Row, run: Run) -> list[str]:
 def test_each_cell_trains_the_float64_reference_of_the_global_item_mean_or_is_refused_on_every_rank(
     tmp_path, row, engine, path
 ):
+    prepared(row)
     run = train(row, engine, path, True, tmp_path)
     if row.outcome == "refused":
         assert refusal(row, run) == [], run.output[-6000:]
@@ -241,6 +274,7 @@ def test_each_cell_trains_the_float64_reference_of_the_global_item_mean_or_is_re
 
 @pytest.mark.parametrize(("row", "engine"), plain_params())
 def test_the_plain_strategy_misses_the_reference_of_each_exact_row(tmp_path, row, engine):
+    prepared(row)
     run = train(row, engine, "plain", False, tmp_path)
     stopped = row.plain.get(engine)
     if stopped is not None:  # Lightning's own refusal, not a training
@@ -248,6 +282,7 @@ def test_the_plain_strategy_misses_the_reference_of_each_exact_row(tmp_path, row
         return
     found = departures(row, engine, run, weighted=False)
     assert "ran" not in found, found
+    assert not [check for check in found if check.startswith("rank_batches")], found
     assert "parameters" in found, "the plain strategy trained the weighted reference"
     steps = matrix.plan(row, even(row))
     error = matrix.max_relative_error(run.records[0]["params"], matrix.reference(row, steps, even(row)))
@@ -284,3 +319,17 @@ def test_the_plan_of_a_resumed_fabric_loop_with_replays_matches_its_uninterrupte
     assert len(steps) == 8  # 2 epochs of 4 windows
     assert steps[2].ids == [*matrix.batch_ids(0, 0, 4), *matrix.batch_ids(0, 0, 5), *matrix.batch_ids(1, 0, 4)]
     assert steps[3].ids == matrix.batch_ids(0, 0, 6)  # rank 1's replay adds nothing
+
+
+def test_the_plan_of_a_litdata_data_set_takes_litdatas_own_uneven_shards_each_item_once_per_epoch():
+    # LitData's shards, read from LitData in this process: 37 items, batch size 4, drop_last=False on 2 ranks give 16
+    # items (4 batches) and 21 (6, the last of 1 item), dealt anew each epoch (shuffle=True)
+    row = matrix.BY_ID["litdata-uneven"]
+    prepared(row)
+    epochs = [matrix.epoch_batches(row.options, epoch) for epoch in range(2)]
+    assert [[len(b) for b in rank] for rank in epochs[0]] == [[4, 4, 4, 4], [4, 4, 4, 4, 4, 1]]
+    assert [sorted(i for rank in ranks for b in rank for i in b) for ranks in epochs] == [list(range(37))] * 2
+    assert epochs[0] != epochs[1]
+    assert len(matrix.plan(row)) == 6  # 2 epochs of 3 windows (A = 2) over rank 1's 6 batches
+    # the plain control's: LitData's default drop_last, even shards of 16 items (4 batches of 4) each
+    assert [[len(b) for b in rank] for rank in matrix.epoch_batches(even(row), 0)] == [[4] * 4] * 2

@@ -153,6 +153,18 @@ def test_a_pass_resumed_where_the_loaders_state_was_put_back_reads_on_from_there
     assert [(batch, stage.position) for batch in stage.iterate(iter(replaying))] == [("c", 4), ("c", 5)]
 
 
+def test_the_longest_ranks_loader_put_back_is_read_to_its_end_before_its_last_batch_is_handed_out():
+    # Lightning asks a sized loader for no batch after its length: the longest rank's last real batch is the
+    # epoch's last, and nothing is fetched after it (LitData's `restore` would stay set for the next epoch)
+    loader = Consumed(["a", "b", "c"], consumed=2)
+    stage = EpochBatches(Participation(), longest=3, local=3, device=CPU)
+    stage.loader_state = loader.state_dict
+    stage.resume(2, 3, at=2)
+    batches = stage.iterate(iter(loader))
+    assert next(batches) == "c"  # and Lightning stops here
+    assert loader.ended
+
+
 def test_a_loader_with_as_many_batches_on_every_rank_is_left_as_it_is_and_a_shorter_one_reports_the_longest():
     loader = DataLoader(range(4), batch_size=2)
     assert participating(loader, Participation(), CPU) == (loader, None)  # one process: every rank alike

@@ -194,9 +194,11 @@ class EpochBatches:
                 if self.loader_state is not None:
                     self._states[seen] = copy.deepcopy(self.loader_state())
                 item = next(iterator, _END)
-            elif drain:  # a loader put back mid-epoch ends its epoch as an uninterrupted one does
+            # a loader put back mid-epoch is read to its end as an uninterrupted epoch reads it, before its last
+            # real batch is handed out: Lightning asks for no batch after a sized loader's last
+            if drain and (item is _END or (local is not None and seen + 1 >= local)):
                 next(iterator, None)
-            drain = drain and item is not _END
+                drain = False
             if item is _END:
                 state.real = seen
             return item
