@@ -10,6 +10,8 @@ import math
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
+from itertools import cycle
 
 import torch
 import torch.distributed as dist
@@ -25,6 +27,8 @@ from lightning_weighted.window import (
     Window,
     WindowResult,
     Wording,
+    host_tensor,
+    payload,
     problem_error,
     read_count,
 )
@@ -91,11 +95,10 @@ class Exchange:
         device: torch.device,
         group: dist.ProcessGroup | None,
         next_items: Sequence[float] = (),
+        losses: Tensor | None = None,
     ) -> None:
         self.windows, self.group = windows, group
-        payloads = [w.payload(more, device, next_items[k] if next_items else 0.0) for k, w in enumerate(windows)]
-        # summed fields of every part first, then each part's LOCAL: one SUM over a prefix
-        self.vector = torch.cat([p[:SUMMED] for p in payloads] + [p[SUMMED:] for p in payloads])
+        self.vector = payload(windows, more, device, next_items, losses)  # the summed fields first: one SUM
         self.work = dist.all_reduce(self.vector[: SUMMED * len(windows)], group=group, async_op=True)
 
     def items(self) -> Tensor:
@@ -150,6 +153,7 @@ class WindowLoop:
         self._backward = False  # the window ran a backward
         self._loss: tuple[float | Tensor, Tensor | None, Tensor | None] = (0.0, None, None)  # factor, parts, aux
         self._typical = TypicalCount(engine.mean_sized)
+        self._parts: PartLosses | None = None  # the window's named parts, counted ahead
 
     @property
     def open(self) -> bool:
@@ -170,6 +174,7 @@ class WindowLoop:
         microbatches = self.ranks * max((len(c) for c in counts), default=0)
         self._windows = [Window(total=t, divisor=self.engine.divisor, microbatches=microbatches) for t in totals]
         self._planned = [deque(c) for c in counts]
+        self._parts = PartLosses(counts, totals, self.engine.divisor, self.device) if self.parts else None
         return totals
 
     def add(self, output: Output, replay: bool = False, recount: Sequence[Count] = ()) -> None:
@@ -185,7 +190,6 @@ class WindowLoop:
         self._typical.microbatches += 1
         planned = [p.popleft() for p in self._planned] if self._planned and self._planned[0] else None
         losses = [(output.parts or {}).get(name) for name in self.parts] if self.parts else [output.loss]
-        self._loss = (0.0, _total(losses) if self.parts else None, None)
         problem = None if replay else _problem(output, losses, self.parts, planned is not None)
         counts = planned or ([output.count] if output.count is not None else [])
         if planned is not None and problem is None and not replay:  # a count given, or counted again, must agree
@@ -196,14 +200,13 @@ class WindowLoop:
         if replay or problem is not None or len(counts) < len(windows):
             if not replay:
                 windows[0].reject(problem or Problem.MISSING)
-            for window, loss in zip(windows, losses, strict=True):
-                if replay and loss is not None and loss.grad_fn is not None:
-                    window.empty(loss)
+            graph = _total(losses) if self.parts else losses[0]
+            if replay and graph is not None and graph.grad_fn is not None:
+                windows[0].empty(graph)
+            self._loss = (0.0, graph if self.parts else None, None)
             return
-        factors = [w.add(c, x, output.item_sum) for w, c, x in zip(windows, counts, losses, strict=True)]
-        for window, factor, loss in zip(windows, factors, losses, strict=True):
-            if isinstance(factor, float) and factor == 0 and loss is not None:
-                window.empty(loss)  # it backpropagates all the same; whether its loss is finite is checked
+        kept = [None] * len(windows) if self.parts else losses  # the parts' losses are summed by `PartLosses`
+        weights = [w.add(c, x, output.item_sum) for w, c, x in zip(windows, counts, kept, strict=True)]
         aux = None
         if output.aux:
             share = windows[0].aux_factor()
@@ -212,11 +215,19 @@ class WindowLoop:
             else:
                 aux = torch.stack(list(output.aux.values())).sum() * share
         if not self.parts:
-            self._loss = (factors[0], None, aux)
-        elif all(isinstance(f, float) and f == 0 for f in factors):
-            self._loss = (0.0, _total(losses), aux)  # nothing in any part: the engine's exact zero
-        else:  # a part counted 0 adds `0 · loss`: its graph runs, its own NaN is caught by NAN_EMPTY
-            self._loss = (1.0, _total([x * f for x, f in zip(losses, factors, strict=True) if x is not None]), aux)
+            factor = windows[0].factor(weights[0])
+            if isinstance(factor, float) and factor == 0 and losses[0] is not None:
+                windows[0].empty(losses[0])  # it backpropagates all the same; whether its loss is finite is checked
+            self._loss = (factor, None, aux)
+            return
+        stacked = torch.stack(losses)  # type: ignore[arg-type]  # none is None (`_problem`)
+        if all(isinstance(w, float) and w == 0 for w in weights):
+            windows[0].empty(stacked)
+            self._loss = (0.0, stacked, aux)  # nothing in any part: the engine's exact zero
+        else:
+            assert self._parts is not None
+            row = self._parts.microbatches - len(self._planned[0]) - 1
+            self._loss = (1.0, self._parts.loss(row, output.item_sum, stacked), aux)
 
     def _open(self, count: Count | None) -> list[Window]:
         """The window in progress (new ones, counted after, where none is)."""
@@ -228,7 +239,7 @@ class WindowLoop:
     def drop(self) -> None:
         """Forgets the window in progress (before its exchange), whose gradient Lightning drops as it ends an epoch."""
         assert self._exchange is None
-        self._windows, self._planned, self._backward = [], [], False
+        self._windows, self._planned, self._backward, self._parts = [], [], False, None
         self._typical.microbatches = 0
 
     def backward_loss(self, loss: Tensor | None, multiplier: float = 1.0) -> Tensor:
@@ -263,7 +274,9 @@ class WindowLoop:
             next_items: counted ahead, this rank's items of each part in the next window.
         """
         if self._exchange is None:
-            self._exchange = Exchange(self._open(None), more, self.device, self.engine.group, next_items)
+            windows = self._open(None)
+            losses = self._parts.sums(windows[0]) if self._parts is not None else None
+            self._exchange = Exchange(windows, more, self.device, self.engine.group, next_items, losses)
 
     def finish(self, step: int, more: bool = True, next_items: Sequence[float] = ()) -> WindowResult:
         """Ends the window after its last backward: brings ``N`` to the gradients and decides, on every rank alike.
@@ -272,7 +285,7 @@ class WindowLoop:
         """
         self.end(more, next_items)
         windows, exchange, backward = self._windows, self._exchange, self._backward
-        self._windows, self._planned, self._exchange, self._backward = [], [], None, False
+        self._windows, self._planned, self._exchange, self._backward, self._parts = [], [], None, False, None
         assert exchange is not None
         if backward and not windows[0].ahead:  # one part, counted after: the gradients times D c / N
             items = exchange.items()[0]
@@ -354,6 +367,68 @@ def _local_gradients(parameters: Iterable[Tensor]) -> Iterator[Tensor]:
     for param in parameters:
         if param.grad is not None:
             yield param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+
+
+class PartLosses:
+    r"""The named parts of one window counted ahead, all :math:`K` at once: a fixed number of tensor operations.
+
+    Microbatch :math:`m` backpropagates :math:`\sum_k f_{mk} \ell_{mk}`, :math:`f_{mk} = D w_{mk} / N_k` (the
+    weight :math:`w_{mk}` is :math:`n_{mk}` for a mean, 1 for a sum, 0 where nothing is counted): two rows of the
+    factors made at the plan, one copy to the device per window. Each part's :math:`\sum_m w_{mk} \ell_{mk}` for its
+    log is summed once, as the window's payload is built.
+
+    Args:
+        counts: each part's planned counts, in microbatch order.
+        totals: each part's :math:`N` (numbers, or still on the device).
+        divisor: :math:`D`.
+        device: where the gradients live.
+    """
+
+    def __init__(
+        self, counts: Sequence[Sequence[Count]], totals: Sequence[float | Tensor], divisor: int, device: torch.device
+    ) -> None:
+        self.microbatches = len(counts[0]) if counts else 0
+        valid = [_valid(part[m]) for m in range(self.microbatches) for part in counts]  # weights of a mean, m-major
+        weights = valid + [(v > 0).double() if isinstance(v, Tensor) else float(v > 0) for v in valid]  # of a sum
+        parts = len(counts)
+        if all(isinstance(v, float) for v in (*valid, *totals)):
+            factors = [w * divisor / t if t > 0 else 0.0 for w, t in zip(weights, cycle(totals))]  # Window.factor
+            table = host_tensor(weights + factors, device).view(2, -1, parts)  # type: ignore[arg-type]  # floats
+            self.weights, self.factors = table[0], table[1]
+        else:
+            as_tensor = partial(torch.as_tensor, dtype=torch.float64, device=device)
+            self.weights = torch.stack([as_tensor(w) for w in weights]).view(-1, parts)
+            total = torch.stack([as_tensor(t) for t in totals])
+            self.factors = torch.where(total > 0, self.weights * divisor / total, 0.0)
+        self.some_empty = not all(isinstance(v, float) and v > 0 for v in valid)
+        self._weight_rows = self.weights.unbind(0)
+        self._rows: dict[torch.dtype, Sequence[Tensor]] = {}
+        self._held: list[tuple[int, Tensor]] = []
+
+    def loss(self, microbatch: int, item_sum: bool, losses: Tensor) -> Tensor:
+        """What microbatch ``microbatch`` backpropagates, from its stacked ``losses`` (a mean each, or an item sum)."""
+        row = microbatch + (self.microbatches if item_sum else 0)
+        rows = self._rows.get(losses.dtype)
+        if rows is None:
+            rows = self._rows[losses.dtype] = self.factors.to(losses.dtype).unbind(0)
+        self._held.append((row, losses.detach()))
+        return (losses * rows[row]).sum()
+
+    def sums(self, window: Window) -> Tensor | None:
+        """Each part's ``Σ_m w_mk · loss_mk``, or ``None`` where no microbatch was weighted.
+
+        A loss of weight 0 (the NaN mean of a part's empty microbatch) adds 0, and whether it is finite is noted in
+        ``window``: its backward ran all the same.
+        """
+        if not self._held:
+            return None
+        losses = torch.stack([loss for _, loss in self._held]).double()
+        weights = torch.stack([self._weight_rows[row] for row, _ in self._held])
+        if not self.some_empty:
+            return (losses * weights).sum(0)
+        valid = weights > 0
+        window.empty(torch.where(valid, 0.0, losses))
+        return torch.where(valid, losses * weights, 0.0).sum(0)
 
 
 class TypicalCount:

@@ -12,7 +12,7 @@ With named loss parts, each part :math:`k` is a mean over its own items and the 
 :math:`N_k` is 0 contributes nothing.
 
 The engine's reduction divides the SUM of the ranks' gradients by :math:`D` (:math:`P`, the number of ranks, for an
-average such as DDP's; 1 for a SUM). Each microbatch's loss is multiplied by the factor :meth:`Window.add` returns,
+average such as DDP's; 1 for a SUM). Each microbatch's loss is multiplied by the factor :meth:`Window.factor` returns,
 one of two ways (the **two count paths**):
 
 - **counts ahead** (the window's :math:`N` is known before its first forward): the factor is :math:`D\,n/N`, and
@@ -42,7 +42,7 @@ from enum import IntEnum
 import torch
 from torch import Tensor
 
-__all__ = ["Count", "Problem", "Window", "WindowResult", "Wording", "problem_error", "read_count"]
+__all__ = ["Count", "Problem", "Window", "WindowResult", "Wording", "payload", "problem_error", "read_count"]
 
 MAX_ITEMS = 2.0**53  # a rank's items in one window stay below it, where float64 still counts single items
 
@@ -140,6 +140,10 @@ _TYPES: dict[Problem, type[Exception]] = {
     **dict.fromkeys((Problem.NO_LOSS, Problem.NO_GRAPH), RuntimeError),
 }
 _WITH_VALUE = (Problem.NEGATIVE, Problem.NOT_FINITE, Problem.FRACTIONAL, Problem.TOO_LARGE, Problem.DISAGREES)
+_OWN_FIX = frozenset(Problem) - {  # a message that says what to do itself; the others end with the wording's fix
+    Problem.NEGATIVE, Problem.NOT_FINITE, Problem.NOT_A_NUMBER, Problem.NOT_A_SCALAR, Problem.NO_LOSS,
+    Problem.NO_GRAPH, Problem.FRACTIONAL, Problem.MISSING,
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -246,9 +250,9 @@ class Window:
     Example (rank 1 of the worked trace, counted after)::
 
         >>> window = Window()
-        >>> window.add(Count(6.0), loss=torch.tensor(4.0))  # its mean loss, times 6: an item sum
+        >>> window.factor(window.add(Count(6.0), loss=torch.tensor(4.0)))  # its mean loss, times 6: an item sum
         6.0
-        >>> window.payload(more=False, device=torch.device("cpu")).tolist()  # ITEMS, NEXT, MORE, LOSS, ..., LOCAL
+        >>> payload([window], more=False, device=torch.device("cpu")).tolist()  # ITEMS, NEXT, MORE, LOSS, ..., LOCAL
         [6.0, 0.0, 0.0, 24.0, 0.0, 0.0, 6.0]
     """
 
@@ -269,7 +273,7 @@ class Window:
         return self.total is not None
 
     def add(self, count: Count, loss: Tensor | None = None, item_sum: bool = False) -> float | Tensor:
-        """Records one microbatch; returns the factor its loss is multiplied by (``0.0``: it contributes nothing).
+        """Records one microbatch; returns its weight, :math:`n` (1 for an item sum; ``0.0``: it contributes nothing).
 
         Args:
             count: the microbatch's count (counted ahead: the one the window's ``N`` holds).
@@ -285,7 +289,7 @@ class Window:
             problem = problem if problem is not None else torch.zeros_like(n)
             self._tensors.append((n, problem, None if loss is None else loss.detach(), item_sum))
             valid = (problem == 0) & (n > 0)
-            return self._factor(valid.double() if item_sum else torch.where(valid, n, 0.0))
+            return valid.double() if item_sum else torch.where(valid, n, 0.0)
         if n == 0:
             return 0.0  # exactly nothing, also from the NaN mean of a fully masked microbatch
         if self.items + n >= MAX_ITEMS:
@@ -296,7 +300,7 @@ class Window:
         if loss is not None:
             value, held = loss.detach().sum().double() * weight, self._device.get(Slot.LOSS)
             self._device[Slot.LOSS] = value if held is None else held + value
-        return self._factor(weight)
+        return weight
 
     def check(self, given: Count, planned: Count, problem: Problem = Problem.DISAGREES) -> None:
         """Checks a count taken again against the one planned ahead: they must agree, or ``problem``.
@@ -323,7 +327,10 @@ class Window:
         """
         return self.divisor / self.microbatches if self.ahead else None
 
-    def _factor(self, weight: float | Tensor) -> float | Tensor:
+    def factor(self, weight: float | Tensor) -> float | Tensor:
+        """What the loss of a microbatch of weight ``weight`` is multiplied by: :math:`D w / N`, or :math:`w / c`."""
+        if isinstance(weight, float) and weight == 0:
+            return 0.0
         if self.total is None:
             return weight if isinstance(self.scale, float) and self.scale == 1.0 else weight / self.scale
         if isinstance(self.total, Tensor):  # N still on the device: an epoch's first window counted ahead
@@ -344,28 +351,6 @@ class Window:
         if self.problem is None:
             self.problem = (problem, value)
 
-    def payload(self, more: bool, device: torch.device, next_items: float = 0.0) -> Tensor:
-        """This rank's payload, a float64 vector on ``device`` indexed by :class:`Slot`; nothing read from the device.
-
-        Args:
-            more: whether this rank holds real batches after this window.
-            device: where the gradients live.
-            next_items: counted ahead: this rank's items in the next window.
-        """
-        fields = [0.0] * len(Slot)
-        fields[Slot.ITEMS] = fields[Slot.LOCAL] = self.items
-        fields[Slot.NEXT], fields[Slot.MORE] = next_items, float(more)
-        fields[Slot.INVALID] = float(self.problem is not None)
-        vector = torch.tensor(fields, dtype=torch.float64)
-        if device.type == "cuda":
-            vector = vector.pin_memory()  # a pinned, non-blocking copy keeps the host from waiting
-        vector = vector.to(device, non_blocking=True)
-        parts = self._device_fields()
-        if parts:
-            values = torch.stack([part.to(device) for part in parts.values()])
-            vector.index_add_(0, _index(tuple(parts), device), values)
-        return vector
-
     def problem_row(self, device: torch.device) -> Tensor:
         """``[problem, value]`` of this rank's first problem (``[0, 0]``: none), on ``device``."""
         if self.problem is not None:
@@ -379,7 +364,7 @@ class Window:
         items = summed[Slot.ITEMS]
         return WindowResult(step, items, summed[Slot.LOCAL], summed[Slot.LOSS] / items if items > 0 else math.nan)
 
-    def _device_fields(self) -> dict[Slot, Tensor]:
+    def device_fields(self) -> dict[Slot, Tensor]:
         """The payload's fields that live on a device, in one pass over the window's device counts."""
         fields = dict(self._device)
         if not self._tensors:
@@ -421,14 +406,61 @@ def _stacked(tensors: list[_Held], host_items: float) -> tuple[Tensor, Tensor, T
     return n, counted, torch.stack([kind, torch.where(too_large, total, torch.where(kind > 0, value, 0.0))])
 
 
-_INDICES: dict[tuple[tuple[Slot, ...], torch.device], Tensor] = {}
+def payload(
+    windows: Sequence[Window],
+    more: bool,
+    device: torch.device,
+    next_items: Sequence[float] = (),
+    losses: Tensor | None = None,
+) -> Tensor:
+    """This rank's payload of a window's parts, one float64 vector on ``device``; nothing read from the device.
+
+    Each part's fields before :data:`Slot.LOCAL` in turn, summed over the ranks, then each part's ``LOCAL``: for one
+    part, the vector is indexed by :class:`Slot`.
+
+    Args:
+        windows: each part's window.
+        more: whether this rank holds real batches after the window.
+        device: where the gradients live.
+        next_items: counted ahead: this rank's items of each part in the next window.
+        losses: each part's ``Σ_m n_m · loss_m``, kept on the device by the caller rather than by its window.
+    """
+    parts = len(windows)
+    fields, positions, added = [0.0] * (parts * (SUMMED + 1)), [], []
+    for k, window in enumerate(windows):
+        at = k * SUMMED
+        fields[at + Slot.ITEMS] = fields[parts * SUMMED + k] = window.items
+        fields[at + Slot.NEXT], fields[at + Slot.MORE] = next_items[k] if next_items else 0.0, float(more)
+        fields[at + Slot.INVALID] = float(window.problem is not None)
+        for slot, value in window.device_fields().items():
+            positions.append(parts * SUMMED + k if slot == Slot.LOCAL else at + slot)
+            added.append(value.to(device))
+    vector = host_tensor(fields, device)
+    values = torch.stack(added) if added else None
+    if losses is not None:
+        positions += [k * SUMMED + Slot.LOSS for k in range(parts)]
+        values = losses if values is None else torch.cat([values, losses])
+    if values is not None:
+        vector.index_add_(0, _index(tuple(positions), device), values)
+    return vector
 
 
-def _index(slots: tuple[Slot, ...], device: torch.device) -> Tensor:
-    """The payload positions of ``slots`` on ``device``, made once per layout (no copy to the device per window)."""
-    index = _INDICES.get((slots, device))
+def host_tensor(values: list[float], device: torch.device) -> Tensor:
+    """A float64 vector of host values on ``device``, copied without the host waiting (pinned, non-blocking)."""
+    vector = torch.tensor(values, dtype=torch.float64)
+    if device.type == "cuda":
+        vector = vector.pin_memory()
+    return vector.to(device, non_blocking=True)
+
+
+_INDICES: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
+
+
+def _index(positions: tuple[int, ...], device: torch.device) -> Tensor:
+    """The payload ``positions`` as an index on ``device``, made once per layout (no copy to the device per window)."""
+    index = _INDICES.get((positions, device))
     if index is None:
-        index = _INDICES[(slots, device)] = torch.tensor([int(slot) for slot in slots], device=device)
+        index = _INDICES[(positions, device)] = torch.tensor(positions, device=device)
     return index
 
 
@@ -450,13 +482,17 @@ def problem_error(rows: Sequence[Sequence[float]], wording: Wording = TRAINER) -
         # a whole number quoted as an int (`-29`, not `-29.0`)
         whole = abs(value) < 2**53 and value.is_integer()
         quoted = (int(value) if whole else value) if problem in (*_WITH_VALUE, Problem.CHANGED) else None
-        return error_type(f"on rank {rank}, {_format(what, quoted, wording)}. {wording.fix}.")
+        return error_type(f"on rank {rank}, {_format(what, quoted, wording)}.{_fix(problem, wording)}")
     if len(kinds) == 1:
         kind = kinds.pop()
         error_type, what = _TYPES.get(kind, ValueError), _MESSAGES[kind]
         what = what.replace(" ({value!r})", "").replace(" {value!r}", "")  # the values differ
-        return error_type(f"on {len(found)} ranks, {_format(what, None, wording)}. {wording.fix}.")
+        return error_type(f"on {len(found)} ranks, {_format(what, None, wording)}.{_fix(kind, wording)}")
     return ValueError(f"on {len(found)} ranks, a microbatch's count or loss is invalid. {wording.fix}.")
+
+
+def _fix(problem: Problem, wording: Wording) -> str:
+    return "" if problem in _OWN_FIX else f" {wording.fix}."
 
 
 def _format(what: str, value: object, wording: Wording) -> str:

@@ -17,7 +17,7 @@ from lightning_weighted import (
     WeightedFabricFSDPStrategy,
     WeightedFabricModelParallelStrategy,
 )
-from lightning_weighted.window import FABRIC, Count, Problem, Slot, Window, problem_error
+from lightning_weighted.window import FABRIC, Count, Problem, Slot, Window, payload, problem_error
 
 NAMES = {
     "ddp_weighted": ("popen", False),
@@ -81,7 +81,7 @@ def test_fabric_errors_name_fabric_backward_and_its_count_argument(problem, valu
     good.add(Count(4.0))
     bad.reject(problem, value)
     cpu = torch.device("cpu")
-    summed = (good.payload(True, cpu) + bad.payload(True, cpu)).tolist()
+    summed = (payload([good], True, cpu) + payload([bad], True, cpu)).tolist()
     assert summed[Slot.INVALID] == 1.0  # every rank reads that a rank found a problem, and gathers every rank's row
     rows = [good.problem_row(cpu).tolist(), bad.problem_row(cpu).tolist()]
     with pytest.raises(error, match=match):

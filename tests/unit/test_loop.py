@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Iterable
 from typing import Any
 
@@ -189,6 +190,36 @@ def test_each_loss_part_is_averaged_over_its_own_count_and_the_result_holds_each
         "text": (4.0, pytest.approx(2.5)),
         "image": (2.0, pytest.approx(1.0)),
     }
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_parts_counted_on_the_host_or_the_device_means_or_sums_each_train_and_log_their_own_mean(one_rank, seed):
+    rng = random.Random(seed)
+    parts, microbatches, on_device = rng.randint(1, 4), rng.randint(1, 3), seed % 2 == 1
+    counts = [[rng.choice([0, 1, 2, 5]) for _ in range(microbatches)] for _ in range(parts)]
+    means = [[rng.uniform(-2, 2) for _ in range(microbatches)] for _ in range(parts)]
+    item_sums = [rng.random() < 0.5 for _ in range(microbatches)]  # each microbatch returns means or item sums
+    w = nn.Parameter(torch.tensor(1.0, dtype=torch.float64))
+    names = tuple("abcd"[:parts])
+    loop = WindowLoop(_Engine(w), CPU, TRAINER, names)
+    planned = [[read_count(torch.tensor(n) if on_device else n, integer=True) for n in part] for part in counts]
+    loop.plan(planned, None if seed % 3 else [float(sum(part)) for part in counts])  # N brought, or summed now
+    for m, item_sum in enumerate(item_sums):
+        losses = {name: w * means[k][m] * (counts[k][m] if item_sum else 1) for k, name in enumerate(names)}
+        output = {"loss": sum(losses.values()), "parts": losses, "reduction": "sum" if item_sum else "mean"}
+        loop.add(read_output(output))
+        loop.backward_loss(None).backward()
+    result = loop.finish(step=0)
+    totals = [sum(part) for part in counts]
+    expected = [
+        sum(n * x for n, x in zip(c, xs, strict=True)) / t if t else math.nan
+        for c, xs, t in zip(counts, means, totals, strict=True)
+    ]
+    grad = sum(e for e in expected if e == e)
+    assert (0.0 if w.grad is None else float(w.grad)) == pytest.approx(grad, rel=1e-12, abs=1e-12)
+    assert [(r.items, r.loss) for r in result.parts.values()] == [
+        (float(t), pytest.approx(e, rel=1e-12, nan_ok=True)) for t, e in zip(totals, expected, strict=True)
+    ]
 
 
 def test_loss_parts_whose_names_differ_from_the_counted_ones_or_that_came_counted_after_fail_the_window(one_rank):

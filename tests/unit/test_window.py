@@ -21,6 +21,7 @@ from lightning_weighted.window import (
     Window,
     WindowResult,
     Wording,
+    payload,
     problem_error,
     read_count,
 )
@@ -45,11 +46,19 @@ def device(value: float, dtype: torch.dtype = torch.int64) -> Tensor:
     return torch.tensor(value, dtype=dtype).as_subclass(Unreadable)
 
 
+def _factor(window: Window, count: Count, **kwargs: Any) -> float | Tensor:
+    """What the loop multiplies the microbatch's loss by: the factor of the weight the window recorded."""
+    return window.factor(window.add(count, **kwargs))
+
+
 def _summed(windows: list[Window], own: int = 0, more: Any = True, next_items: Any = 0.0) -> list[float]:
     """What the loop reads on rank ``own`` after the SUM of every rank's float64 payload (its own LOCAL kept)."""
     payloads = [
-        w.payload(
-            more[r] if isinstance(more, list) else more, CPU, next_items[r] if isinstance(next_items, tuple) else 0.0
+        payload(
+            [w],
+            more[r] if isinstance(more, list) else more,
+            CPU,
+            [next_items[r]] if isinstance(next_items, tuple) else (),
         ).as_subclass(Tensor)
         for r, w in enumerate(windows)
     ]
@@ -82,7 +91,7 @@ def _gradient(counts: list[list[float]], mean_grads: list[list[float]], ahead: b
     total = sum(map(sum, counts))
     windows = [Window(total=total, divisor=divisor) if ahead else Window() for _ in counts]
     local = [
-        sum(float(window.add(Count(float(n)))) * g for n, g in zip(cs, gs, strict=True))
+        sum(float(_factor(window, Count(float(n)))) * g for n, g in zip(cs, gs, strict=True))
         for window, cs, gs in zip(windows, counts, mean_grads, strict=True)
     ]
     reduced = sum(local) / divisor
@@ -106,12 +115,12 @@ def test_worked_trace_gives_the_global_item_mean_where_ddp_gives_the_mean_of_mea
 
 def test_worked_trace_factors_counted_ahead_are_the_mean_reducer_scales_half_and_one_and_a_half():
     # a mean reducer scales each local mean gradient by P·n_r/N: 2·2/8 = 0.5 and 2·6/8 = 1.5
-    assert [Window(total=8.0, divisor=2).add(Count(n)) for n in (2.0, 6.0)] == [0.5, 1.5]
+    assert [_factor(Window(total=8.0, divisor=2), Count(n)) for n in (2.0, 6.0)] == [0.5, 1.5]
     assert (0.5 * 1 + 1.5 * 3) / 2 == 2.5
 
 
 def test_equal_counts_and_one_microbatch_per_window_are_plain_ddps_average():
-    assert [Window(total=4 * 5.0, divisor=4).add(Count(5.0)) for _ in range(4)] == [1.0] * 4  # losses untouched
+    assert [_factor(Window(total=4 * 5.0, divisor=4), Count(5.0)) for _ in range(4)] == [1.0] * 4  # losses untouched
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -129,21 +138,21 @@ def test_random_counts_and_windows_match_the_weighted_mean(seed, ahead, divisor)
 
 def test_factors_counted_after_are_the_counts_over_the_scale():
     assert [Window().add(Count(n)) for n in (0.0, 4.0, 2.0)] == [0.0, 4.0, 2.0]
-    assert [Window(scale=4.0).add(Count(n)) for n in (0.0, 4.0, 2.0)] == [0.0, 1.0, 0.5]  # mean-sized
+    assert [_factor(Window(scale=4.0), Count(n)) for n in (0.0, 4.0, 2.0)] == [0.0, 1.0, 0.5]  # mean-sized
 
 
 def test_a_loss_marked_as_an_item_sum_is_scaled_by_one_over_the_scale_not_by_its_count():
     window = Window()
     assert window.add(Count(3.0), loss=torch.tensor(6.0), item_sum=True) == 1.0  # already Σ over 3 items
     assert window.add(Count(2.0), loss=torch.tensor(1.5)) == 2.0  # a mean over 2 items
-    assert window.payload(True, CPU)[Slot.LOSS] == 6.0 + 2 * 1.5  # Σ n·mean, whichever way each loss came
-    assert Window(total=10.0, divisor=2).add(Count(4.0), loss=torch.tensor(8.0), item_sum=True) == 0.2  # D/N
+    assert payload([window], True, CPU)[Slot.LOSS] == 6.0 + 2 * 1.5  # Σ n·mean, whichever way each loss came
+    assert _factor(Window(total=10.0, divisor=2), Count(4.0), loss=torch.tensor(8.0), item_sum=True) == 0.2  # D/N
 
 
 def test_a_one_element_loss_of_any_shape_is_summed_into_the_window_loss():
     window = Window()
     window.add(Count(2.0), loss=torch.tensor([[1.5]]))
-    assert window.payload(True, CPU)[Slot.LOSS] == 3.0
+    assert payload([window], True, CPU)[Slot.LOSS] == 3.0
 
 
 def test_a_window_without_items_gives_n_zero_and_a_nan_loss():
@@ -215,11 +224,11 @@ def test_a_count_on_the_device_is_checked_weighted_and_summed_there_without_a_re
     assert isinstance(factor, Unreadable)  # the factor stays on the device too
     zero = window.add(read_count(device(0)), loss=torch.tensor(math.nan))  # masked: 0, and its NaN stays out
     bad = window.add(read_count(device(-2)), loss=torch.tensor(1.0))
-    payload = window.payload(True, CPU).as_subclass(Tensor)
+    vector = payload([window], True, CPU).as_subclass(Tensor)
     assert float(factor.as_subclass(Tensor)) == 4.0 and float(zero.as_subclass(Tensor)) == 0.0
     assert float(bad.as_subclass(Tensor)) == 0.0
-    assert payload[Slot.ITEMS] == 4.0 and payload[Slot.LOSS] == 6.0  # the bad and the masked add nothing
-    assert payload[Slot.INVALID] == 1.0 and payload[Slot.NAN_EMPTY] == 1.0  # a NaN loss counted 0 on the device
+    assert vector[Slot.ITEMS] == 4.0 and vector[Slot.LOSS] == 6.0  # the bad and the masked add nothing
+    assert vector[Slot.INVALID] == 1.0 and vector[Slot.NAN_EMPTY] == 1.0  # a NaN loss counted 0 on the device
     assert window.problem_row(CPU).as_subclass(Tensor).tolist() == [Problem.NEGATIVE, -2.0]  # gathered on error
 
 
@@ -314,6 +323,13 @@ def test_one_bad_rank_gives_the_same_error_naming_rank_value_and_fix_everywhere(
     assert _summed([good, bad])[Slot.ITEMS] == 4.0  # the bad count never enters N
 
 
+def test_a_message_that_says_what_to_do_itself_does_not_end_with_the_count_fix():
+    for problem in (Problem.PARTS, Problem.PARTS_AFTER, Problem.CHANGED, Problem.AUX_AFTER, Problem.AMBIGUOUS):
+        message = str(problem_error([[float(problem), math.nan]]))
+        assert TRAINER.fix not in message and message.endswith("."), message
+    assert str(problem_error([[float(Problem.MISSING), math.nan]])).endswith(f"no count. {TRAINER.fix}.")
+
+
 @pytest.mark.parametrize(
     ("value", "quoted"),
     [(-29, r"\(-29\)\."), (-29.0, r"\(-29\)\."), (-2.5, r"\(-2\.5\)\."), (-(2.0**60), r"\(-1\.15292\d+e\+18\)\.")],
@@ -348,7 +364,7 @@ def test_only_the_first_problem_of_a_window_is_reported():
     on_device = Window()
     on_device.add(read_count(device(-5)))
     on_device.add(read_count(device(math.nan, torch.float32)))
-    assert on_device.payload(True, CPU).as_subclass(Tensor)[Slot.INVALID] == 1.0
+    assert payload([on_device], True, CPU).as_subclass(Tensor)[Slot.INVALID] == 1.0
     assert on_device.problem_row(CPU).as_subclass(Tensor).tolist() == [Problem.NEGATIVE, -5.0]
 
 
@@ -400,20 +416,20 @@ def test_a_count_checked_against_the_planned_one_is_the_windows_problem_only_whe
     assert _checked(read_count(5), Count(-1.0, Problem.NEGATIVE)) is None  # the plan's own problem: the add's
     window = Window(total=8.0, divisor=2)
     window.check(read_count(4), planned)
-    assert window.add(planned) == 1.0 and window.problem_row(CPU).tolist() == [0.0, 0.0]  # D n / N of the plan
+    assert _factor(window, planned) == 1.0 and window.problem_row(CPU).tolist() == [0.0, 0.0]  # D n / N of the plan
 
 
 def test_a_count_on_the_device_is_checked_there_and_a_changed_batch_becomes_the_windows_error():
     planned = Count(4.0)  # counted ahead on the host, as the loader yielded the batch
     window = Window(total=8.0, divisor=2)
     window.check(read_count(device(4)), planned, Problem.CHANGED)  # counted again as the step received it
-    assert window.payload(True, CPU).as_subclass(Tensor)[Slot.INVALID] == 0.0  # agreeing: healthy
-    assert window.add(planned, loss=torch.tensor(1.0)) == 1.0  # the planned count keeps its factor
+    assert payload([window], True, CPU).as_subclass(Tensor)[Slot.INVALID] == 0.0  # agreeing: healthy
+    assert _factor(window, planned, loss=torch.tensor(1.0)) == 1.0  # the planned count keeps its factor
     window.check(read_count(device(5)), planned, Problem.CHANGED)  # a transfer hook changed this one
-    assert window.add(planned, loss=torch.tensor(1.0)) == 1.0
+    assert _factor(window, planned, loss=torch.tensor(1.0)) == 1.0
     assert window.problem is None  # compared on the device: nothing is known on the host
-    payload = window.payload(True, CPU).as_subclass(Tensor)
-    assert payload[Slot.ITEMS] == 8.0 and payload[Slot.INVALID] == 1.0
+    vector = payload([window], True, CPU).as_subclass(Tensor)
+    assert vector[Slot.ITEMS] == 8.0 and vector[Slot.INVALID] == 1.0
     assert window.problem_row(CPU).as_subclass(Tensor).tolist() == [Problem.CHANGED, 5.0]
     wording = Wording(TRAINER.source, TRAINER.fix, "`on_after_batch_transfer`")
     match = (
