@@ -17,7 +17,7 @@ import torch.distributed as dist
 from launcher import settle_at_exit
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_weighted.window import SUMMED, Window, read_count
+from lightning_weighted.window import SUMMED, Window, payload, read_count
 
 
 class _AllReduce(torch.autograd.Function):
@@ -51,7 +51,7 @@ def main() -> None:
         window = Window()
         loss = ddp(x).pow(2).mean()
         loss = loss * window.add(read_count(len(x)), loss)
-        summed = window.payload(more=True, device=torch.device("cpu"))
+        summed = payload([window], more=True, device=torch.device("cpu"))
         work = dist.all_reduce(summed[:SUMMED], async_op=True)
         loss.backward()
         work.wait()

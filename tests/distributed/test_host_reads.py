@@ -40,7 +40,7 @@ def test_the_check_fails_where_a_per_microbatch_read_is_put_back():
     import torch
     from reads import DeviceTensor, ReadSpy
 
-    from lightning_weighted.window import Window, read_count
+    from lightning_weighted.window import Window, payload, read_count
 
     spy = ReadSpy()
     spy.install()
@@ -49,7 +49,7 @@ def test_the_check_fails_where_a_per_microbatch_read_is_put_back():
         count = torch.tensor(3).as_subclass(DeviceTensor)
         window = Window()
         window.add(read_count(count), loss=torch.tensor(1.5).as_subclass(DeviceTensor))
-        window.payload(True, torch.device("cpu"))
+        payload([window], True, torch.device("cpu"))
         assert strategy_reads({"reads": spy.reads}, "device", ours=True) == Counter()
         window.add(read_count(count, host=True))
         assert strategy_reads({"reads": spy.reads}, "device", ours=True) == Counter({0: 1})
