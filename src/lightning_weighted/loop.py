@@ -38,23 +38,14 @@ __all__ = ["Exchange", "Output", "WindowLoop", "combined_result", "read_output",
 
 @dataclass(frozen=True)
 class Output:
-    """What one microbatch handed over: its loss (or named parts), its count, and how to read them.
+    """What one microbatch handed over: its loss (or named parts), its count, and how to read them."""
 
-    Attributes:
-        loss: the loss: the mean over the microbatch's valid items (their sum with ``item_sum``).
-        count: the count given with it (read once), or ``None``.
-        item_sum: ``loss`` (each part) is a sum over the items rather than their mean.
-        parts: named parts, each the mean (or sum) over its own items; ``loss`` is then what plain DDP trains.
-        aux: named auxiliary terms, averaged over the window's microbatches and ranks as plain DDP averages.
-        problem: what is wrong with the output itself (a bad ``reduction``, ``aux`` or ``parts``).
-    """
-
-    loss: Tensor | None
-    count: Count | None = None
-    item_sum: bool = False
-    parts: Mapping[str, Tensor] | None = None
-    aux: Mapping[str, Tensor] | None = None
-    problem: Problem | None = None
+    loss: Tensor | None  # the mean over the microbatch's valid items (their sum with `item_sum`)
+    count: Count | None = None  # the count given with it (read once)
+    item_sum: bool = False  # `loss` (each part) is a sum over the items rather than their mean
+    parts: Mapping[str, Tensor] | None = None  # each the mean (or sum) over its own items; `loss` is what DDP trains
+    aux: Mapping[str, Tensor] | None = None  # averaged over the window's microbatches and ranks as plain DDP averages
+    problem: Problem | None = None  # what is wrong with the output itself (a bad `reduction`, `aux` or `parts`)
 
 
 def read_output(output: object) -> Output:
@@ -64,11 +55,9 @@ def read_output(output: object) -> Output:
     loss = output.get("loss")
     reduction = output.get("reduction", "mean")
     (parts, bad_parts), (aux, bad_aux) = terms(output.get("parts")), terms(output.get("aux"))
-    problem = None
+    problem = Problem.AUX if bad_aux else Problem.PARTS if bad_parts else None
     if reduction not in ("mean", "sum"):
         problem = Problem.REDUCTION
-    elif bad_aux or bad_parts:
-        problem = Problem.AUX if bad_aux else Problem.PARTS
     count = read_count(output["count"]) if "count" in output else None
     return Output(loss if isinstance(loss, Tensor) else None, count, reduction == "sum", parts, aux, problem)
 
@@ -133,20 +122,15 @@ class WindowLoop:
         device: where the gradients live.
         wording: how errors name the call that handed over the loss and its count.
         parts: the names of the loss parts, each counted ahead into a window of its own; ``()``: one loss.
-
-    Attributes:
-        last_window: the result of the last window.
-        skipped_steps: how many windows had no item (``N = 0``) and changed nothing.
-        ranks_with_more: from the last window's exchange, how many ranks hold real batches after it.
-        next_totals: counted ahead, each part's ``N`` of the next window, from the last window's exchange.
     """
 
     def __init__(self, engine: Engine, device: torch.device, wording: Wording, parts: Sequence[str] = ()) -> None:
         self.engine, self.device, self.wording, self.parts = engine, device, wording, tuple(parts)
         self.ranks = dist.get_world_size(engine.group)
         self.last_window: WindowResult | None = None
-        self.skipped_steps = self.ranks_with_more = 0
-        self.next_totals: list[float] = []
+        self.skipped_steps = 0  # the windows that had no item (N = 0) and changed nothing
+        self.ranks_with_more = 0  # from the last exchange: how many ranks hold real batches after its window
+        self.next_totals: list[float] = []  # counted ahead: each part's N of the next window, from the last exchange
         self._windows: list[Window] = []
         self._planned: list[deque[Count]] = []  # each part's planned counts, taken in order by `add`
         self._exchange: Exchange | None = None
@@ -163,10 +147,7 @@ class WindowLoop:
     def plan(
         self, counts: Sequence[Sequence[Count]], totals: Sequence[float | Tensor] | None = None
     ) -> Sequence[float | Tensor]:
-        """Counts the next window ahead: each part's counts, taken in order by :meth:`add`; returns each part's N.
-
-        ``totals``: each part's :math:`N` where an earlier exchange brought it; else one SUM now, left on the device.
-        """
+        """Counts the next window ahead: each part's counts and N (``totals``, else one SUM now); returns the N."""
         if self._windows:
             raise RuntimeError("a window's counts were handed over while a window is open: once per window, first")
         if totals is None:
@@ -183,8 +164,7 @@ class WindowLoop:
         Args:
             output: what the microbatch handed over.
             replay: it replays a batch of a rank whose data ran out: it contributes nothing.
-            recount: counted ahead, each part's count of the batch the step received, which must agree with the plan
-                (a transfer hook may have changed it).
+            recount: counted ahead, each part's count of the batch the step received, which must agree with the plan.
         """
         windows = self._open(None if replay else output.count)
         self._typical.microbatches += 1
@@ -207,13 +187,10 @@ class WindowLoop:
             return
         kept = [None] * len(windows) if self.parts else losses  # the parts' losses are summed by `PartLosses`
         weights = [w.add(c, x, output.item_sum) for w, c, x in zip(windows, counts, kept, strict=True)]
-        aux = None
-        if output.aux:
-            share = windows[0].aux_factor()
-            if share is None:
-                windows[0].reject(Problem.AUX_AFTER)
-            else:
-                aux = torch.stack(list(output.aux.values())).sum() * share
+        share = windows[0].aux_factor()
+        if output.aux and share is None:
+            windows[0].reject(Problem.AUX_AFTER)
+        aux = torch.stack(list(output.aux.values())).sum() * share if output.aux and share is not None else None
         if not self.parts:
             factor = windows[0].factor(weights[0])
             if isinstance(factor, float) and factor == 0 and losses[0] is not None:
@@ -243,10 +220,7 @@ class WindowLoop:
         self._typical.microbatches = 0
 
     def backward_loss(self, loss: Tensor | None, multiplier: float = 1.0) -> Tensor:
-        """The loss to backpropagate: ``loss · factor · multiplier`` (each part its own) plus the auxiliary terms.
-
-        One that contributes nothing on the host (a count of 0, a replay) gives the engine's ``0 · loss``.
-        """
+        """The loss to backpropagate: ``loss · factor · multiplier`` (each part its own) plus the auxiliary terms."""
         factor, parts, aux = self._loss
         self._backward = True
         graph = parts if self.parts else loss
@@ -372,16 +346,9 @@ def _local_gradients(parameters: Iterable[Tensor]) -> Iterator[Tensor]:
 class PartLosses:
     r"""The named parts of one window counted ahead, all :math:`K` at once: a fixed number of tensor operations.
 
-    Microbatch :math:`m` backpropagates :math:`\sum_k f_{mk} \ell_{mk}`, :math:`f_{mk} = D w_{mk} / N_k` (the
-    weight :math:`w_{mk}` is :math:`n_{mk}` for a mean, 1 for a sum, 0 where nothing is counted): two rows of the
-    factors made at the plan, one copy to the device per window. Each part's :math:`\sum_m w_{mk} \ell_{mk}` for its
-    log is summed once, as the window's payload is built.
-
-    Args:
-        counts: each part's planned counts, in microbatch order.
-        totals: each part's :math:`N` (numbers, or still on the device).
-        divisor: :math:`D`.
-        device: where the gradients live.
+    Microbatch :math:`m` backpropagates :math:`\sum_k f_{mk} \ell_{mk}`, with the factors and weights of
+    :meth:`Window.factor` and :meth:`Window.add` made at the plan, one copy to the device per window; each part's
+    :math:`\sum_m w_{mk} \ell_{mk}` for its log is summed once, as the window's payload is built.
     """
 
     def __init__(
@@ -415,11 +382,7 @@ class PartLosses:
         return (losses * rows[row]).sum()
 
     def sums(self, window: Window) -> Tensor | None:
-        """Each part's ``Σ_m w_mk · loss_mk``, or ``None`` where no microbatch was weighted.
-
-        A loss of weight 0 (the NaN mean of a part's empty microbatch) adds 0, and whether it is finite is noted in
-        ``window``: its backward ran all the same.
-        """
+        """Each part's ``Σ_m w_mk · loss_mk``, or ``None``; a loss of weight 0 adds 0 (``window`` notes it)."""
         if not self._held:
             return None
         losses = torch.stack([loss for _, loss in self._held]).double()

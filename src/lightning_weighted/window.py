@@ -38,6 +38,7 @@ import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from functools import cache
 
 import torch
 from torch import Tensor
@@ -71,21 +72,13 @@ class Problem(IntEnum):
 
 @dataclass(frozen=True)
 class Wording:
-    """How count errors name the call that handed over a loss and its count, and the fix they give.
+    """How count errors name the call that handed over a loss and its count, and the fix they give."""
 
-    Attributes:
-        source: the call and its verb, as in ``"training_step returned"``.
-        fix: the sentence that says what a valid count is and where it goes.
-        hooks: the hooks that change a batch between the loader and the step (``"on_after_batch_transfer"``).
-        strategy: the strategy's name.
-        ahead: what took a count ahead, as in ``"ItemCounter took from the same batch"``.
-    """
-
-    source: str
-    fix: str
-    hooks: str = "a transfer hook"
-    strategy: str = "a weighted strategy"
-    ahead: str = "ItemCounter took from the same batch"
+    source: str  # the call and its verb, as in "training_step returned"
+    fix: str  # the sentence that says what a valid count is and where it goes
+    hooks: str = "a transfer hook"  # the hooks that change a batch between the loader and the step
+    strategy: str = "a weighted strategy"  # the strategy's name
+    ahead: str = "ItemCounter took from the same batch"  # what took a count ahead
 
 
 TRAINER = Wording(
@@ -148,17 +141,11 @@ _OWN_FIX = frozenset(Problem) - {  # a message that says what to do itself; the 
 
 @dataclass(frozen=True)
 class Count:
-    """One microbatch's count, checked.
+    """One microbatch's count, checked."""
 
-    Attributes:
-        value: the number of valid items (or weights' sum): a float, or a float64 0-dim tensor never read on the host.
-        problem: a :class:`Problem`, ``None``, or for a tensor count a float64 0-dim tensor of its number (0: valid).
-        implicit: the batch size was counted only because nothing gave a count.
-    """
-
-    value: float | Tensor
-    problem: Problem | Tensor | None = None
-    implicit: bool = False
+    value: float | Tensor  # valid items (or weights' sum): a float, or a float64 0-dim tensor never read on the host
+    problem: Problem | Tensor | None = None  # for a tensor count, a float64 0-dim tensor of its Problem (0: valid)
+    implicit: bool = False  # the batch size was counted only because nothing gave a count
 
 
 def read_count(value: object, integer: bool = False, host: bool = False) -> Count:
@@ -168,14 +155,6 @@ def read_count(value: object, integer: bool = False, host: bool = False) -> Coun
         value: an int, a float or a one-element tensor.
         integer: whether the count must be a whole number (examples, tokens).
         host: read a tensor on the host (a count taken from a batch before it moves to the device).
-
-    Example::
-
-        >>> read_count(-2.5)
-        Count(value=-2.5, problem=<Problem.NEGATIVE: 1>, implicit=False)
-        >>> count = read_count(torch.tensor(-2))  # checked where it lives
-        >>> float(count.value), float(count.problem)
-        (-2.0, 1.0)
     """
     if isinstance(value, Tensor):
         if value.numel() != 1:
@@ -205,21 +184,13 @@ def read_count(value: object, integer: bool = False, host: bool = False) -> Coun
 
 @dataclass(frozen=True)
 class WindowResult:
-    """What one optimizer step's window summed to, the same on every rank except ``local_items``.
+    """What one optimizer step's window summed to, the same on every rank except ``local_items``."""
 
-    Attributes:
-        step: the optimizer step (``global_step``) the window ended at.
-        items: the global item count ``N`` (with several parts, the sum of theirs); 0: the step changed nothing.
-        local_items: this rank's items in the window.
-        loss: ``Σ_r Σ_m n_rm · loss_rm / N`` (with parts, the sum of their means; NaN where ``N = 0``).
-        parts: each named part's own result (empty for one unnamed loss).
-    """
-
-    step: int
-    items: float
-    local_items: float
-    loss: float
-    parts: Mapping[str, WindowResult] = field(default_factory=dict)
+    step: int  # the optimizer step (global_step) the window ended at
+    items: float  # the global item count N (with several parts, the sum of theirs); 0: the step changed nothing
+    local_items: float  # this rank's items in the window
+    loss: float  # Σ_r Σ_m n_rm · loss_rm / N (with parts, the sum of their means; NaN where N = 0)
+    parts: Mapping[str, WindowResult] = field(default_factory=dict)  # each named part's own result (empty for one loss)
 
 
 class Slot(IntEnum):
@@ -303,10 +274,7 @@ class Window:
         return weight
 
     def check(self, given: Count, planned: Count, problem: Problem = Problem.DISAGREES) -> None:
-        """Checks a count taken again against the one planned ahead: they must agree, or ``problem``.
-
-        A tensor is compared on its device (no host read); the microbatch keeps the planned count's factor.
-        """
+        """Records ``problem`` where a count taken again differs from the planned one (a tensor, on its device)."""
         if isinstance(planned.problem, Problem) or isinstance(given.problem, Problem):
             if not isinstance(planned.problem, Problem) and isinstance(given.problem, Problem):
                 self.reject(given.problem, given.value if isinstance(given.value, float) else math.nan)
@@ -321,10 +289,7 @@ class Window:
             self.reject(problem, float(given.value))
 
     def aux_factor(self) -> float | None:
-        """What an auxiliary term is multiplied by: :math:`D / (P M)`, each microbatch of each rank alike.
-
-        ``None`` counted after: the :math:`N` that divides the gradients after the reduction would divide them too.
-        """
+        """An auxiliary term's factor, :math:`D / (P M)`; ``None`` counted after, where ``N`` would divide it too."""
         return self.divisor / self.microbatches if self.ahead else None
 
     def factor(self, weight: float | Tensor) -> float | Tensor:
@@ -338,10 +303,7 @@ class Window:
         return weight * self.divisor / self.total if self.total > 0 else 0.0
 
     def empty(self, loss: Tensor) -> None:
-        """Notes whether the loss of a microbatch that holds nothing, backpropagated all the same, is finite.
-
-        A collective of the model's backward may carry its NaN to the other ranks (``NAN_EMPTY``).
-        """
+        """Notes whether an empty microbatch's loss, backpropagated all the same, is finite (``NAN_EMPTY``)."""
         flag = (~torch.isfinite(loss.detach())).any().double()
         held = self._device.get(Slot.NAN_EMPTY)
         self._device[Slot.NAN_EMPTY] = flag if held is None else torch.maximum(held, flag)
@@ -370,13 +332,12 @@ class Window:
         if not self._tensors:
             return fields
         n, counted, first = _stacked(self._tensors, self.items)
-        items = counted.sum()
         if self.problem is None:
             fields[Slot.INVALID] = (first[0] > 0).double()
         kept = [k for k, (*_, item_sum) in enumerate(self._tensors) if item_sum is not None]
         if not kept:
             return fields  # checks only: the counts are the planned ones, on the host
-        fields[Slot.ITEMS] = fields[Slot.LOCAL] = items
+        fields[Slot.ITEMS] = fields[Slot.LOCAL] = counted.sum()
         if any(self._tensors[k][2] is not None for k in kept):
             zero, counted = n.new_zeros(()), counted[kept]
             losses = torch.stack([zero if (x := self._tensors[k][2]) is None else x.sum() for k in kept]).double()
@@ -392,10 +353,7 @@ class Window:
 
 
 def _stacked(tensors: list[_Held], host_items: float) -> tuple[Tensor, Tensor, Tensor]:
-    """The device counts, what each adds to ``N`` (a check adds nothing), and ``[problem, value]`` of the first.
-
-    The first problem where there is none is :attr:`Problem.TOO_LARGE` with ``N``, where ``N`` reaches 2**53.
-    """
+    """The device counts, what each adds to N, and the first [problem, value] (else TOO_LARGE where N reaches 2**53)."""
     n, problems = torch.stack([t[0] for t in tensors]), torch.stack([t[1] for t in tensors])
     counts = torch.tensor([t[3] is not None for t in tensors], device=n.device)
     counted = torch.where((problems == 0) & (n > 0) & counts, n, 0.0)
@@ -453,58 +411,38 @@ def host_tensor(values: list[float], device: torch.device) -> Tensor:
     return vector.to(device, non_blocking=True)
 
 
-_INDICES: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
-
-
+@cache
 def _index(positions: tuple[int, ...], device: torch.device) -> Tensor:
     """The payload ``positions`` as an index on ``device``, made once per layout (no copy to the device per window)."""
-    index = _INDICES.get((positions, device))
-    if index is None:
-        index = _INDICES[(positions, device)] = torch.tensor(positions, device=device)
-    return index
+    return torch.tensor(positions, device=device)
 
 
 def problem_error(rows: Sequence[Sequence[float]], wording: Wording = TRAINER) -> Exception:
     """The one error every rank raises, from every rank's ``[problem, value]`` (``0``: none), in rank order.
 
     One rank's problem names the rank and quotes its value; one several ranks share is named once; others counted.
-
-    Example::
-
-        >>> problem_error([[0.0, 0.0], [float(Problem.NEGATIVE), -3.0]]).args[0][:48]
-        "on rank 1, a microbatch's count is negative (-3)"
     """
     found = [(rank, Problem(round(kind)), value) for rank, (kind, value) in enumerate(rows) if kind > 0]
     kinds = {problem for _, problem, _ in found}
     if len(found) == 1:
         rank, problem, value = found[0]
         error_type, what = _TYPES.get(problem, ValueError), _MESSAGES[problem]
-        # a whole number quoted as an int (`-29`, not `-29.0`)
-        whole = abs(value) < 2**53 and value.is_integer()
+        whole = abs(value) < 2**53 and value.is_integer()  # quoted as an int (`-29`, not `-29.0`)
         quoted = (int(value) if whole else value) if problem in (*_WITH_VALUE, Problem.CHANGED) else None
-        return error_type(f"on rank {rank}, {_format(what, quoted, wording)}.{_fix(problem, wording)}")
+        return error_type(f"on rank {rank}, {_format(problem, what, quoted, wording)}")
     if len(kinds) == 1:
         kind = kinds.pop()
         error_type, what = _TYPES.get(kind, ValueError), _MESSAGES[kind]
         what = what.replace(" ({value!r})", "").replace(" {value!r}", "")  # the values differ
-        return error_type(f"on {len(found)} ranks, {_format(what, None, wording)}.{_fix(kind, wording)}")
+        return error_type(f"on {len(found)} ranks, {_format(kind, what, None, wording)}")
     return ValueError(f"on {len(found)} ranks, a microbatch's count or loss is invalid. {wording.fix}.")
 
 
-def _fix(problem: Problem, wording: Wording) -> str:
-    return "" if problem in _OWN_FIX else f" {wording.fix}."
-
-
-def _format(what: str, value: object, wording: Wording) -> str:
-    return what.format(value=value, source=wording.source, hooks=wording.hooks, ahead=wording.ahead)
+def _format(problem: Problem, what: str, value: object, wording: Wording) -> str:
+    text = what.format(value=value, source=wording.source, hooks=wording.hooks, ahead=wording.ahead)
+    return f"{text}." if problem in _OWN_FIX else f"{text}. {wording.fix}."
 
 
 def imbalance(largest: float, items: float, ranks: int) -> float:
-    """``max_r P·n_r / N``: how much more weight the items of the rank with most get than plain DDP gives them.
-
-    Example (the worked trace: 2 and 6 items)::
-
-        >>> imbalance(largest=6, items=8, ranks=2)
-        1.5
-    """
+    """``max_r P·n_r / N``: how much more weight the items of the rank with most get than plain DDP gives them."""
     return ranks * largest / items if items > 0 else 1.0

@@ -47,9 +47,6 @@ class FiniteGradients:
     def __init__(self) -> None:
         self._handles: list[RemovableHandle] = []
 
-    def _cut(self, tensors: Iterable[Tensor]) -> None:
-        self._handles = finite_gradients(tensors)
-
     def after_backward(self) -> None:
         """Removes the hooks of an empty microbatch."""
         for handle in self._handles:
@@ -58,9 +55,6 @@ class FiniteGradients:
 
 
 def finite_gradients(tensors: Iterable[Tensor]) -> list[RemovableHandle]:
-    """Keeps only the finite values of each gradient computed for ``tensors`` (before it accumulates).
-
-    Until the handles go, an empty microbatch's own NaN (``0 · (1/0)``) becomes 0; sparse gradients stay sparse.
-    """
+    """Hooks that keep only the finite values of each gradient computed for ``tensors`` (until the handles go)."""
     keep_finite = partial(torch.nan_to_num, nan=0.0, posinf=0.0, neginf=0.0)
     return [tensor.register_hook(keep_finite) for tensor in tensors]  # type: ignore[no-untyped-call]

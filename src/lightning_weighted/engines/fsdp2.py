@@ -1,8 +1,7 @@
 r"""FSDP2 (``fully_shard``): every ``FSDPModule`` SUM-reduces, and an empty microbatch's own NaN never reaches it.
 
 Each ``FSDPModule`` gets a divide factor of 1 with SUM-only reductions (:math:`D = 1`; gloo lacks ``PREMUL_SUM``) and
-a reduce-scatter that cuts the non-finite values of an empty microbatch, whose backward runs all the same (its
-collectives are every rank's). Counts are summed over the data-parallel ranks only, never over tensor-parallel peers.
+a reduce-scatter that cuts that NaN. Counts are summed over the data-parallel ranks only, not tensor-parallel peers.
 """
 
 from __future__ import annotations
