@@ -37,6 +37,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return data
 
 
+@pytest.mark.examples
 def test_every_level_ran_every_variant_with_its_control(results: dict[str, Any]) -> None:
     for level, pairs in PLAIN.items():
         assert [entry["point"]["accumulate"] for entry in results[level]] == [1, 2], level
@@ -49,6 +50,7 @@ def test_every_level_ran_every_variant_with_its_control(results: dict[str, Any])
     assert 0 < results["probe"]["payload_allreduce_s"] < 1
 
 
+@pytest.mark.examples
 def test_weighted_variants_match_the_float64_reference_and_their_plain_counterparts_do_not(
     results: dict[str, Any],
 ) -> None:
@@ -62,6 +64,7 @@ def test_weighted_variants_match_the_float64_reference_and_their_plain_counterpa
                 assert deviation[plain] > 0.3 and gradient[plain] > 0.3, (level, plain, entry["point"])
 
 
+@pytest.mark.examples
 def test_the_weighting_adds_one_payload_all_reduce_per_step_and_ddp_reduces_its_own_buckets(
     results: dict[str, Any],
 ) -> None:
@@ -78,6 +81,7 @@ def test_the_weighting_adds_one_payload_all_reduce_per_step_and_ddp_reduces_its_
                 assert plain[0] > 0 and ahead == after == plain, (level, entry["buckets"])
 
 
+@pytest.mark.examples
 def test_loss_parts_add_no_collective_their_counts_ride_in_the_one_payload_all_reduce(results: dict[str, Any]) -> None:
     for entry in results["raw"]:
         calls, plain = entry["collectives"], entry["collectives"]["ddp"]
@@ -89,6 +93,7 @@ def test_loss_parts_add_no_collective_their_counts_ride_in_the_one_payload_all_r
             assert entry["buckets"][name] == entry["buckets"]["ddp"], entry["buckets"]  # DDP's own buckets alike
 
 
+@pytest.mark.examples
 def test_the_report_holds_each_level_with_its_tables(results: dict[str, Any]) -> None:
     report = results["report"]
     for title in ("## Raw DDP step", "## Lightning Trainer step", "## Sharded strategies (Trainer)"):

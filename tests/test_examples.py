@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from launcher import ROOT, free_port, run
 
+pytestmark = pytest.mark.examples
+
 STEPS = 12
 
 

@@ -13,6 +13,8 @@ from launcher import ROOT, free_port, run
 
 pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.examples
+
 
 OPTIONS = {"ddp": ["--engine", "ddp"], "fsdp2_packed": ["--engine", "fsdp2", "--packed"]}
 
