@@ -332,7 +332,7 @@ def test_augment_message_replaces_a_matching_message_of_an_exception() -> None:
     takes("augment_message", augment, ["exception", "pattern", "new_message"], symbol)
     source_says("augment_message", DDPStrategy.on_exception, "_augment_message(", "DDPStrategy.on_exception")
 
-    pattern = ".*Expected to have finished reduction in the prior iteration.*"  # the pattern `trainer/ddp.py` passes
+    pattern = ".*Expected to have finished reduction in the prior iteration.*"  # what `WeightedDDPStrategy` passes
     error = RuntimeError("DDP:\nExpected to have finished reduction in the prior iteration before starting", 3)
     with exercising("augment_message", symbol):
         _compat.augment_message(error, pattern, "use find_unused_parameters")
@@ -475,7 +475,7 @@ def test_fsdp_setup_helpers_are_lightnings_fsdp1_setup_functions() -> None:
         pinned("fsdp_setup_helpers", helper is getattr(fsdp, name, None), f"lightning.fabric.strategies.fsdp.{name}")
         takes("fsdp_setup_helpers", helper, parameters, f"lightning.fabric.strategies.fsdp.{name}")
         source_says("fsdp_setup_helpers", FSDPStrategy._setup_model, f"{name}(", "FSDPStrategy._setup_model")
-    # The package passes the strategy's own checkpointing arguments (`trainer/fsdp1.py`).
+    # The package passes the strategy's own checkpointing arguments (`WeightedFSDPStrategy`).
     kwargs = attribute("fsdp_setup_helpers", FSDPStrategy(), "_activation_checkpointing_kwargs", "FSDPStrategy")
     pinned("fsdp_setup_helpers", kwargs == {}, "FSDPStrategy._activation_checkpointing_kwargs", f"{kwargs}")
 
@@ -689,7 +689,7 @@ def test_flat_parameters_lists_each_fsdp1_units_flat_parameter(one_rank: None) -
 
     symbol = "FullyShardedDataParallel._flat_param"
     attribute("flat_parameters", FullyShardedDataParallel, "fsdp_modules", "FullyShardedDataParallel")
-    # As `trainer/fsdp1.py` wraps on the CPU; NO_SHARD, which FSDP1 switches to (with a warning) on one rank.
+    # As `WeightedFSDPStrategy` wraps on the CPU; NO_SHARD, which FSDP1 switches to (with a warning) on one rank.
     kwargs: dict[str, Any] = {"device_id": torch.device("cpu"), "sharding_strategy": ShardingStrategy.NO_SHARD}
     inner = FullyShardedDataParallel(nn.Linear(2, 3), **kwargs)
     root = FullyShardedDataParallel(nn.Sequential(inner, nn.Linear(3, 1)), **kwargs)

@@ -1,8 +1,7 @@
 """The batches a loader set up by a weighted Fabric strategy yields, each rank stepping until every rank is done.
 
-No Trainer hook marks a batch in a Fabric loop, so the loader records in :class:`Yielded` whether each batch it
-yields is a replay. A backward belongs to the batch yielded last; a window counted ahead to the batches yielded
-last, as many as it counts.
+No Trainer hook marks a batch in a Fabric loop, so the loader records in :class:`Yielded` whether each batch is a
+replay: a backward belongs to the batch yielded last; a window counted ahead, to the last ones, as many as it counts.
 """
 
 from __future__ import annotations
@@ -27,8 +26,9 @@ class Yielded:
         return bool(self.batches) and self.batches[-1][2]
 
     def replays(self, size: int) -> list[bool]:
-        """Whether each of the ``size`` batches yielded last is a replay, oldest first."""
-        return [replay for *_, replay in list(self.batches)[-size:]] if size else []
+        """Whether each of the ``size`` batches yielded last is a replay, oldest first (``False`` before the oldest)."""
+        replays = [replay for *_, replay in list(self.batches)[-size:]] if size else []
+        return [False] * (size - len(replays)) + replays
 
     def last(self) -> tuple[Participation | None, int]:
         """The epoch of the loader that yielded last, and that batch's position in it."""
@@ -36,11 +36,10 @@ class Yielded:
 
 
 class FabricLoader:
-    """Yields a rank's batches until every rank is done; an exhausted rank replays a batch, counted as 0.
+    """What ``fabric.setup_dataloaders`` returns where the ranks' batch counts differ (see the module docstring).
 
-    Where the ranks' batch counts differ, ``fabric.setup_dataloaders`` returns it. An epoch ends as
-    :mod:`lightning_weighted.loaders.epoch` says, or, unsized in a loop without backward (evaluation), where this
-    rank's data ends. Attributes are the wrapped loader's, so Fabric's ``set_epoch`` reaches it.
+    An epoch ends as :mod:`lightning_weighted.loaders.epoch` says, or, unsized in a loop without backward
+    (evaluation), where this rank's data ends. Attributes are the wrapped loader's (Fabric's ``set_epoch`` reaches it).
     """
 
     def __init__(self, loader: Any, participation: Participation, yielded: Yielded) -> None:

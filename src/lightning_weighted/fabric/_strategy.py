@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -16,7 +15,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_weighted._compat import BackwardSyncControl, unfloored
+from lightning_weighted._compat import unfloored
 from lightning_weighted.engines import Engine
 from lightning_weighted.fabric._loader import FabricLoader, Yielded
 from lightning_weighted.loaders import Participation, Policy, participating, without_padding
@@ -28,16 +27,15 @@ from lightning_weighted.window import FABRIC, Count, Problem, read_count
 class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
     """The hooks of a weighted Fabric strategy, each a call into one :class:`~lightning_weighted.loop.WindowLoop`.
 
-    Put before a Fabric strategy (``class S(WeightedFabricStrategy, DDPStrategy)``), with :meth:`_start`,
-    :meth:`_syncs` and :meth:`_local`. The ``optimizer.step()`` after a window whose global ``N`` was 0 is skipped.
+    The contract of ``fabric.backward(loss, count=n)``: ``docs/fabric.md``; the ``optimizer.step()`` after a window
+    whose global ``N`` was 0 is skipped. Put before a Fabric strategy, with :meth:`_start` and :meth:`_syncs`.
     """
 
     strategy_name: str
 
     def __init__(self, *args: Any, participation: Policy = "pad", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        Participation(participation)  # checks the policy now, where the user passed it
-        self._policy: Policy = participation
+        self._policy = Participation(participation).policy  # checked now, where the user passed it
         self._loop: WindowLoop | None = None
         self._yielded = Yielded()
         self._planned: deque[bool] = deque()  # counted ahead: whether each microbatch of the window is a replay
@@ -58,22 +56,16 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
     def count_ahead(self, counts: Sequence[object] | Mapping[str, Sequence[object]], integer: bool = False) -> None:
         """Hands over the counts of the next window's microbatches, fetched already, before its first forward.
 
-        Counts ahead (:mod:`lightning_weighted.window`, ``docs/fabric.md``): ``fabric.backward`` takes them in order
-        (a ``count=`` given there must agree); the batches yielded last, as many as counted, are the window's, a
-        replay among them counting 0. A count in host memory is read there; ``integer``: whole numbers only. A dict
-        of named parts (``{"policy": [...], "kl": [...]}``) averages each over its own ``N``.
+        ``fabric.backward`` takes them in order (a ``count=`` given there must agree), a replay's counting 0.
+        ``integer``: whole numbers only. A dict of named parts (``{"policy": [...], "kl": [...]}``) averages each
+        over its own ``N``.
         """
         loop = self._require_loop()
         named = dict(counts) if isinstance(counts, Mapping) else {"": counts}
         loop.parts = tuple(name for name in named if name)  # the parts this window averages, each over its own N
         size = max((len(c) for c in named.values()), default=0)
         replays = self._yielded.replays(size)
-        replays = [False] * (size - len(replays)) + replays
-
-        def read(count: object) -> Count:
-            return read_count(count, integer, host=not isinstance(count, Tensor) or count.device.type == "cpu")
-
-        loop.plan([[Count(0.0) if r else read(c) for c, r in zip(p, replays, strict=False)] for p in named.values()])
+        loop.plan([[_read_ahead(c, integer, r) for c, r in zip(p, replays, strict=False)] for p in named.values()])
         self._planned = deque(replays)
 
     def _syncs(self) -> bool:
@@ -100,8 +92,7 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
         """``fabric.backward(loss, count=n)``: backpropagates ``loss`` weighted by its count within the window.
 
         Args:
-            tensor: the mean over the microbatch's ``count`` valid items (their sum with ``reduction="sum"``); with
-                ``parts``, what plain Fabric would train (not used).
+            tensor: the mean over the microbatch's ``count`` valid items (see ``reduction``); unused with ``parts``.
             module: what Fabric passes (the module given as ``model=``, or ``None``).
             *args: passed on to the precision plugin's backward.
             count: the number of valid items (or the sum of sample weights), finite and ``>= 0``.
@@ -111,18 +102,13 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
             parts: named loss parts, each the mean (or sum) over its own items, counted by :meth:`count_ahead`.
             **kwargs: passed on to the precision plugin's backward.
         """
-        loop = self._require_loop()
-        syncs = self._syncs()
+        loop, syncs = self._require_loop(), self._syncs()
         ends = _ends_window(syncs, window_end, reduction)
         if not loop.open:
             loop.parts = ()  # a window counted after its forwards: one loss
         replay = self._planned.popleft() if self._planned else self._yielded.replay
         self._yielded.backwards += 1
-        (named, bad_parts), (extra, bad_aux) = terms(parts), terms(aux)
-        problem = Problem.PARTS if bad_parts else Problem.AUX if bad_aux else None
-        counted = None if count is None else read_count(count)
-        step = Output(tensor, counted, reduction == "sum", named, extra, problem)
-        loop.add(step, replay)
+        loop.add(_step(tensor, count, reduction, parts, aux), replay)
         scaled = loop.backward_loss(tensor)
         participation, position = self._yielded.last()
         more = participation is None or participation.has_more(position)
@@ -209,15 +195,18 @@ _OPEN = (
 )
 
 
-class MarkWindow(BackwardSyncControl):
-    """``fabric.no_backward_sync`` under a sharded weighted strategy: its ``accumulating``, which marks the window."""
+def _step(tensor: Tensor, count: object, reduction: str, parts: object, aux: object) -> Output:
+    """What one ``fabric.backward`` hands the loop, marked where its parts or terms cannot be weighted."""
+    (named, bad_parts), (extra, bad_aux) = terms(parts), terms(aux)
+    problem = Problem.PARTS if bad_parts else Problem.AUX if bad_aux else None
+    return Output(tensor, None if count is None else read_count(count), reduction == "sum", named, extra, problem)
 
-    def __init__(self, accumulating: Callable[[Module, bool], AbstractContextManager[None]]) -> None:
-        self.accumulating = accumulating
 
-    @override
-    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager[None]:
-        return self.accumulating(module, enabled)
+def _read_ahead(count: object, integer: bool, replay: bool) -> Count:
+    """A count handed over ahead, read where it lives (on the host where it is in host memory); a replay's is 0."""
+    if replay:
+        return Count(0.0)
+    return read_count(count, integer, host=not isinstance(count, Tensor) or count.device.type == "cpu")
 
 
 def _ends_window(syncs: bool, window_end: bool | None, reduction: str) -> bool:

@@ -1,10 +1,9 @@
 """One rank's pass over one loader: its real batches, then replays until every rank is done; counted; resumable.
 
-A rank whose data runs out replays its last real batch (a peer's first if it had none) with a count of 0, so its
-step's collectives stay matched and it contributes nothing (:meth:`Participation.replay`, the one rule). Every
-rank's epoch ends at the same step: after the longest rank's last batch, or, unsized, at the first window end where
-no rank has a real batch left. Counted ahead, each batch is counted on the host as it is fetched. A checkpoint
-keeps each rank's place (:meth:`EpochBatches.state`), its loader's state as of the first batch not yet trained.
+A rank whose data runs out replays its last real batch (a peer's first if it had none) with a count of 0: its
+collectives stay matched and it adds nothing (:meth:`Participation.replay`). Every rank's epoch ends at the same step:
+after the longest rank's last batch or, unsized, at the first window end where no rank has a real batch left. A
+checkpoint keeps each rank's place and its loader's state before its first untrained batch (:meth:`EpochBatches.state`).
 """
 
 from __future__ import annotations
@@ -121,9 +120,7 @@ class EpochBatches:
         self._resume, self.passes = None, self.passes + 1
         self.participation.new_epoch(self.local if real is None else real)
         self.position = self.start = self._fetched = start
-        self._held.clear()
-        self._counts.clear()
-        self._states.clear()
+        self._held, self._counts, self._states = deque(), deque(), {}
         self._source = self._produce(iterator, start, at)
         return self._handed(self.passes)
 
@@ -205,7 +202,7 @@ class EpochBatches:
 
         following = fetch()
         template = following if following is not _END else template
-        template = self._shared(template, self.shared_first or start > 0)
+        template = _shared(template, self.shared_first or start > 0, self.device)
         yielded = start
         while self.longest is None or yielded < self.longest:
             if self.longest is None and not self.windows and not any(_gather(int(following is not _END), self.device)):
@@ -222,17 +219,6 @@ class EpochBatches:
             yield item
             if following is None:
                 following = fetch()
-
-    def _shared(self, template: Any, needed: bool) -> Any:
-        """A real batch to replay for a rank that holds none (a collective only where one may lack it)."""
-        if not needed or not dist.is_initialized():
-            return template
-        missing = _gather(int(template is _END), self.device)
-        if not any(missing) or all(missing):
-            return template
-        box = [template if dist.get_rank() == missing.index(0) else None]
-        dist.broadcast_object_list(box, src=missing.index(0))
-        return box[0] if template is _END else template
 
 
 def participating(
@@ -307,6 +293,18 @@ def _gather(local: int, device: torch.device, group: dist.ProcessGroup | None = 
     vector[dist.get_rank(group)] = local
     dist.all_reduce(vector, group=group)
     return [round(v) for v in vector.tolist()]
+
+
+def _shared(template: Any, needed: bool, device: torch.device) -> Any:
+    """A real batch to replay for a rank that holds none (a collective only where one may lack it)."""
+    if not needed or not dist.is_initialized():
+        return template
+    missing = _gather(int(template is _END), device)
+    if not any(missing) or all(missing):
+        return template
+    box = [template if dist.get_rank() == missing.index(0) else None]
+    dist.broadcast_object_list(box, src=missing.index(0))
+    return box[0] if template is _END else template
 
 
 def _listed(counts: list[int]) -> str:

@@ -45,10 +45,7 @@ class Extension:
 
 
 def extend(loader: Any, stage: Stage | None = None, length: Callable[[], int] | None = None) -> Any:
-    """Runs ``loader``'s iteration through ``stage`` (after its earlier ones); ``length`` replaces its length.
-
-    Returns the same object for a ``DataLoader``, a wrapper for any other iterable.
-    """
+    """Runs ``loader``'s iteration through ``stage`` (after its earlier ones); ``length`` replaces its length."""
     if not isinstance(loader, (_Extended, _ExtendedIterable)):
         if isinstance(loader, DataLoader):
             loader._lw = Extension()
@@ -64,9 +61,7 @@ def extend(loader: Any, stage: Stage | None = None, length: Callable[[], int] | 
 
 def extension(loader: Any) -> Extension | None:
     """What an extended loader runs; ``None`` for a loader that is not extended."""
-    if isinstance(loader, (_Extended, _ExtendedIterable)):
-        return loader._lw
-    return None
+    return loader._lw if isinstance(loader, (_Extended, _ExtendedIterable)) else None
 
 
 def own_state(loader: Any) -> Callable[[], dict[str, Any]] | None:

@@ -45,15 +45,11 @@ class UnpaddedDistributedSampler(DistributedSampler[T]):
 
     def __iter__(self) -> Iterator[T]:
         if self.shuffle:
-            generator = torch.Generator()
-            generator.manual_seed(self.seed + self.epoch)
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
             indices: list[Any] = torch.randperm(self.total_size, generator=generator).tolist()
         else:
             indices = list(range(self.total_size))
         return iter(indices[self.rank : self.total_size : self.num_replicas])
-
-    def __len__(self) -> int:
-        return self.num_samples
 
 
 class _UnpaddedWrapper(UnpaddedDistributedSampler[T]):

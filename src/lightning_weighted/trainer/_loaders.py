@@ -20,8 +20,7 @@ _KEY = "lightning_weighted"  # each rank's place in its train epoch, in a checkp
 class FitLoaders:
     """What the strategy does to each loader Lightning builds (train, val, test), and undoes when the fit ends.
 
-    A stage's loaders follow the barrier Lightning names for it. Where ranks hold unequal batches they replay
-    (:mod:`lightning_weighted.loaders.epoch`); one train loader is counted ahead and keeps each rank's place.
+    Where ranks hold unequal batches they replay; one train loader is counted ahead and keeps each rank's place.
 
     Args:
         policy: what a rank whose data ran out does (``"pad"`` or ``"strict"``).
@@ -68,9 +67,8 @@ class FitLoaders:
         self._lengths = [*self._lengths, lengths]
         if len(self._lengths) == 1:  # one loader, so far: its own length rules
             stateful = callable(getattr(loader, "state_dict", None))
-            loader, self.stage = participating(
-                loader, self.train, self.device, lengths=lengths, always=bool(self.count or stateful or self._resumed)
-            )
+            always = bool(self.count or stateful or self._resumed)
+            loader, self.stage = participating(loader, self.train, self.device, lengths=lengths, always=always)
             self._set_up(loader)
         else:
             if len(self._lengths) == 2:  # the first loader is one of several: the combined batches' lengths rule
@@ -84,8 +82,7 @@ class FitLoaders:
         stage, extended = self.stage, extension(loader)
         if stage is None or extended is None:
             return
-        stage.loader_state = own_state(loader)
-        stage.count = self.count
+        stage.loader_state, stage.count = own_state(loader), self.count
         extended.state = lambda: stage.state_before(stage.position)
         resumed = self._resumed
         if resumed is not None:
@@ -118,17 +115,14 @@ class FitLoaders:
         self.train.new_epoch()
 
     def counts_ahead(self, iterables: Any) -> bool:
-        """Whether each window's counts are taken ahead; else the count function is taken out again.
-
-        They are where a count function is given and one train loader yields its batches whole.
-        """
+        """Whether each window's counts are taken ahead; else the count function is taken out again."""
         ahead = self.count is not None and len(self.train_loaders) == 1 and iterables is self.train_loaders[0]
         if not ahead and self.stage is not None:
             self.stage.count = None
         return ahead
 
     def save(self, checkpoint: dict[str, Any], progress: tuple[int, bool] | None) -> None:
-        """Puts every rank's place in the train epoch into ``checkpoint`` (a collective).
+        """Puts every rank's place in the train epoch into ``checkpoint``, beside rank 0's loader state (a collective).
 
         ``progress``: how many batches of the epoch trained, and whether the last one did (``None``: no fit).
         """

@@ -5,15 +5,12 @@ A weighted strategy works through Lightning's strategy hooks wherever there is o
 
 - :data:`EPOCH_END`, the module's ``on_train_batch_start``: only its -1 ends an epoch early (the strategy's hook's
   return is ignored). The epoch ends there where every rank is out of data; a user's -1 drops the half window.
-- :data:`SCHEDULERS`, the module's ``lr_scheduler_step``, the only way LR schedulers step: after a window without
-  items, step-interval schedulers do not.
+- :data:`SCHEDULERS`, the module's ``lr_scheduler_step``, the only way LR schedulers step: see ``BatchState.skipped``.
 - :data:`BATCHES`, a callback put first: the strategy's ``on_train_batch_start`` runs after the callbacks' and the
-  module's, which read ``padding_step``; an evaluation batch's loader index and epoch end reach only callbacks. Each
-  batch begins there, and the evaluation loss is logged there.
+  module's, which read ``padding_step``; an evaluation batch's loader index and epoch end reach only callbacks.
 - :data:`REPLAY_LOGS`, the module's ``log`` in a replayed step: a replay's logs add nothing to the epoch's values.
 - :data:`METRICS`, the module's torchmetrics around a replayed step: put back after it, update count included.
-- :data:`CLIP`, ``FSDPPrecision.clip_grad_by_norm`` under ``fsdp_weighted``, which refuses norm clipping for FSDP1:
-  FSDP1's own ``clip_grad_norm_`` takes its place.
+- :data:`CLIP`, ``FSDPPrecision.clip_grad_by_norm``, which refuses norm clipping: FSDP1's own ``clip_grad_norm_`` clips.
 - :data:`SAMPLER_WARNING`, the warnings filter: Lightning warns that its sampler repeats items; the one put in its
   place (:class:`~lightning_weighted.UnpaddedDistributedSampler`) repeats none.
 - :data:`LOADERS`, each loader Lightning processes, extended for the fit (:mod:`lightning_weighted.loaders`); its
@@ -51,7 +48,6 @@ SAMPLER_WARNING = "warnings.filters"
 LOADERS = "Strategy.barrier"
 
 _SAMPLER_WARNING = "Using `DistributedSampler` with the dataloaders"  # the start of Lightning's message
-_WEIGHTED = ("mean", "avg", "sum")
 Counted = Callable[[Output, Any], "list[Count]"]
 
 
@@ -103,13 +99,9 @@ class Seam:
         """Makes the fit's touches: each undone by :meth:`close`, also where a later one fails."""
         self.loop, self.module, self.evaluation = loop, module, evaluation
         self._touches.enter_context(_silenced(_SAMPLER_WARNING, PossibleUserWarning))
-        self._touches.enter_context(
-            patched(
-                module,
-                on_train_batch_start=self._epoch_end(module.on_train_batch_start),
-                lr_scheduler_step=self._scheduler_step(trainer, module.lr_scheduler_step),
-            )
-        )
+        epoch_end = self._epoch_end(module.on_train_batch_start)
+        scheduler_step = self._scheduler_step(trainer, module.lr_scheduler_step)
+        self._touches.enter_context(patched(module, on_train_batch_start=epoch_end, lr_scheduler_step=scheduler_step))
         callback = _Batches(self)
         trainer.callbacks.insert(0, callback)  # type: ignore[attr-defined]
         self._touches.callback(trainer.callbacks.remove, callback)  # type: ignore[attr-defined]
@@ -150,7 +142,7 @@ class Seam:
     def reduce(self, tensor: Tensor, reduce_op: Any, group: Any, fallback: Callable[..., Any]) -> Any:
         """A mean or sum over the ranks that held a real batch, where :attr:`weight` is set; else ``fallback``."""
         op = str(reduce_op).lower().rsplit(".", 1)[-1]  # "mean", "sum", or an enum's "RedOpType.SUM"
-        if self.weight is None or op not in _WEIGHTED or not dist.is_initialized():
+        if self.weight is None or op not in ("mean", "avg", "sum") or not dist.is_initialized():
             return fallback(tensor, group=group, reduce_op=reduce_op)
         weight = torch.full((1,), self.weight, dtype=torch.float64, device=tensor.device)
         weighted = torch.cat([tensor.detach().reshape(-1).double() * self.weight, weight])
@@ -161,7 +153,6 @@ class Seam:
     def _epoch_end(self, hook: Callable[[Any, int], int | None]) -> Callable[[Any, int], int | None]:
         def on_train_batch_start(batch: Any, batch_idx: int) -> int | None:
             assert self.loop is not None
-            # every rank is out of data (decided alike at the last window's end): Lightning ends the epoch here
             response = -1 if self.loaders.train.stop else hook(batch, batch_idx)
             if response == -1:  # Lightning drops the half window's gradient: so do its counts
                 self.loop.drop()
@@ -223,8 +214,6 @@ class _Batches(Callback):
 
 class EvaluationLoss:
     """The item mean of the loss each ``validation_step`` or ``test_step`` returns, over every rank (``val/loss``).
-
-    Counted by the training count rule into one window per loader (and part), summed once at the epoch's end.
 
     Args:
         device: where the losses live.
@@ -292,11 +281,7 @@ def patched(target: Any, **methods: Callable[..., Any]) -> Iterator[None]:
 
 def logs_ignored(module: LightningModule) -> contextlib.AbstractContextManager[None]:
     """``self.log`` and ``self.log_dict`` of the module do nothing for the length of the block (the audit re-run)."""
-
-    def ignore(*args: Any, **kwargs: Any) -> None:
-        return None
-
-    return patched(module, log=ignore, log_dict=ignore)
+    return patched(module, log=lambda *args, **kwargs: None, log_dict=lambda *args, **kwargs: None)
 
 
 def _logged_as_nothing(log: Callable[..., None]) -> Callable[..., None]:

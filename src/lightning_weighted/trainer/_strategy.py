@@ -38,8 +38,8 @@ _TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_a
 class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
     """The hooks of a weighted Trainer strategy, each a call into one :class:`~lightning_weighted.loop.WindowLoop`.
 
-    Put before a Lightning strategy (``class S(WeightedTrainerStrategy, DDPStrategy)``), with :meth:`_make_engine`.
-    What the fit touches beyond the strategy's own hooks: :mod:`lightning_weighted.trainer._seam`.
+    The contract of ``training_step``, the rules and the errors: ``docs/how_it_works.md``. Put before a Lightning
+    strategy, with :meth:`_make_engine`; what the fit touches beyond its hooks: :mod:`lightning_weighted.trainer._seam`.
     """
 
     strategy_name: str
@@ -113,7 +113,6 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
         assert module is not None
         with self._seam.step(module):
             output = super().training_step(*args, **kwargs)
-        # a step taking `dataloader_iter` counts the batch it fetched: the iterator itself is never touched
         batch = fetched_batch(module.trainer) if self._fetches_itself else args[0]
         step = read_output(output)
         if self._windows.ahead:
@@ -165,18 +164,8 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
     def optimizer_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], model: LightningModule | Module | None = None, **kw: Any
     ) -> Any:
-        # Lightning runs the window's last training step and backward inside this closure, and clips after it; an
-        # optimizer that re-evaluates (LBFGS) runs it again on the same window.
-        def closure_then_finish_window() -> Any:
-            state = self._seam.batch
-            if state.ends_window and state.plan is not None:
-                self._require_loop().plan(*state.plan)
-            state.ends_window = True
-            result = closure()
-            self._windows.finish()
-            return result
-
-        return super().optimizer_step(optimizer, closure_then_finish_window, model, **kw)
+        # Lightning runs the window's last training step and backward inside `closure`, and clips after it
+        return super().optimizer_step(optimizer, lambda: self._windows.last_batch(closure), model, **kw)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
@@ -187,7 +176,6 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        # Lightning keeps rank 0's loader state alone; each rank's place in its own shard is kept beside it.
         module = self.lightning_module
         self._loaders.save(checkpoint, train_progress(module.trainer) if module is not None else None)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -225,11 +213,9 @@ class TrainWindows:
     def begin(self, batch_idx: int) -> None:
         """Begins a train batch, before the callbacks' and the module's hooks see it."""
         assert self.loop is not None and self.trainer is not None
-        # Lightning hands `batch_idx` one fetch late where `training_step` takes `dataloader_iter`; its epoch loop's
-        # own index counts this batch in both modes
+        # Lightning's `batch_idx` is one fetch late under `dataloader_iter`; its epoch loop's own index never is
         index = train_batch_idx(self.trainer)
-        stage, train = self.loaders.stage, self.loaders.train
-        position = index
+        stage, train, position = self.loaders.stage, self.loaders.train, index
         if stage is not None:  # a pass counts from where it started, whatever `batch_idx` Lightning starts from
             if self._first[0] != stage.passes:
                 self._first = (stage.passes, index)
@@ -254,6 +240,17 @@ class TrainWindows:
         self._next = (stage.passes, len(counts), None)
         parts = list(zip(*counts, strict=True)) if counts else []
         return more, [sum(c.value for c in p if c.problem is None and isinstance(c.value, float)) for p in parts]
+
+    def last_batch(self, closure: Callable[[], Any]) -> Any:
+        """Runs Lightning's closure (the window's last step and backward; again under LBFGS), then :meth:`finish`."""
+        state = self.seam.batch
+        if state.ends_window and state.plan is not None:
+            assert self.loop is not None
+            self.loop.plan(*state.plan)
+        state.ends_window = True
+        result = closure()
+        self.finish()
+        return result
 
     def finish(self) -> None:
         """Ends the window after its last backward; its exchange brings the next window's ``N``, counted ahead."""

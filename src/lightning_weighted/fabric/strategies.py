@@ -1,0 +1,190 @@
+"""The weighted Fabric strategies, one per engine: DDP, FSDP1 (LitGPT's recipes), and FSDP2."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from lightning.fabric.strategies.ddp import DDPStrategy
+from lightning.fabric.strategies.fsdp import FSDPStrategy
+from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_weighted._compat import BackwardSyncControl, StrategyRegistry, register, set_backward_sync_control
+from lightning_weighted.engines.ddp import DDPEngine, fp16_backward
+from lightning_weighted.engines.fsdp1 import FSDP1Engine, wrapped_on_cpu
+from lightning_weighted.engines.fsdp2 import FSDP2Engine, shard_blocks
+from lightning_weighted.fabric._strategy import WeightedFabricStrategy
+from lightning_weighted.loaders import Policy
+from lightning_weighted.strategy import LAUNCHERS, data_parallel_group, every_rank_data_parallel
+
+__all__ = ["WeightedFabricDDPStrategy", "WeightedFabricFSDPStrategy", "WeightedFabricModelParallelStrategy"]
+
+
+class WeightedFabricDDPStrategy(WeightedFabricStrategy, DDPStrategy):
+    """The weighted Fabric strategy over DDP: ``strategy="ddp_weighted"``.
+
+    Args:
+        *args: :class:`~lightning.fabric.strategies.DDPStrategy`'s arguments.
+        participation: ``"pad"``: a rank out of data steps with count 0 until every rank is done; ``"strict"``: raise.
+        **kwargs: :class:`~lightning.fabric.strategies.DDPStrategy`'s keyword arguments.
+
+    Example::
+
+        >>> import lightning_weighted
+        >>> from lightning.fabric import Fabric
+        >>> type(Fabric(strategy="ddp_weighted", accelerator="cpu", devices=1).strategy).__name__
+        'WeightedFabricDDPStrategy'
+    """
+
+    strategy_name = "ddp_weighted"
+
+    def __init__(self, *args: Any, participation: Policy = "pad", **kwargs: Any) -> None:
+        super().__init__(*args, participation=participation, **kwargs)
+        self._ddp: DistributedDataParallel | None = None
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
+        notebook = ("ddp_weighted_notebook", {"start_method": "fork"})  # Fabric names a notebook launcher too
+        register(strategy_registry, cls, "Count-weighted Fabric DDP", *LAUNCHERS, notebook)
+
+    @override
+    def setup_module(self, module: Module) -> DistributedDataParallel:
+        ddp = super().setup_module(module)
+        self._start(DDPEngine(ddp, module, mean_sized=fp16_backward(self.precision)))
+        self._ddp = ddp
+        return ddp
+
+    @override
+    def _syncs(self) -> bool:
+        assert self._ddp is not None
+        return self._ddp.require_backward_grad_sync
+
+    @override
+    def _local(self, backward: Any) -> Any:
+        assert self._ddp is not None
+        with self._ddp.no_sync():
+            return backward()
+
+
+class MarkWindow(BackwardSyncControl):
+    """``fabric.no_backward_sync`` under a sharded weighted strategy: its ``accumulating``, which marks the window."""
+
+    def __init__(self, accumulating: Callable[[Module, bool], contextlib.AbstractContextManager[None]]) -> None:
+        self.accumulating = accumulating
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> contextlib.AbstractContextManager[None]:
+        return self.accumulating(module, enabled)
+
+
+class WeightedFabricFSDPStrategy(WeightedFabricStrategy, FSDPStrategy):
+    """The weighted Fabric strategy over FSDP1 (``FSDPStrategy``, LitGPT's): ``strategy="fsdp_weighted"``.
+
+    Its hook SUM-reduce-scatters once per window, on the CPU too.
+
+    Args:
+        *args: ``FSDPStrategy``'s arguments; ``sharding_strategy`` ``"FULL_SHARD"`` (default) or ``"SHARD_GRAD_OP"``.
+        participation: as for :class:`~lightning_weighted.WeightedFabricDDPStrategy`.
+        **kwargs: ``FSDPStrategy``'s keyword arguments.
+    """
+
+    strategy_name = "fsdp_weighted"
+
+    def __init__(self, *args: Any, participation: Policy = "pad", **kwargs: Any) -> None:
+        super().__init__(*args, participation=participation, **kwargs)
+        if self.sharding_strategy.name not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+            raise ValueError(
+                f"`sharding_strategy={self.sharding_strategy.name!r}` does not shard gradients over every"
+                " data-parallel rank, which fsdp_weighted's reduction needs. Use 'FULL_SHARD' or 'SHARD_GRAD_OP', or"
+                " `strategy='ddp_weighted'` in place of 'NO_SHARD'."
+            )
+        set_backward_sync_control(self, MarkWindow(self.accumulating))
+        self._accumulating = False  # inside `fabric.no_backward_sync(model)`
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
+        register(strategy_registry, cls, "Count-weighted Fabric FSDP1, on CPU or CUDA", ("fsdp_weighted", {}))
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        wrapped = wrapped_on_cpu(self, module) or super().setup_module(module)
+        self._start(FSDP1Engine(wrapped))  # its hook is registered before the root's first forward
+        return wrapped
+
+    @override
+    def _syncs(self) -> bool:
+        return not self._accumulating
+
+    @override
+    def _local(self, backward: Any) -> Any:
+        assert self._loop is not None
+        with self._loop.engine.root.no_sync():  # type: ignore[attr-defined]
+            return backward()
+
+    @contextlib.contextmanager
+    def accumulating(self, module: Module, enabled: bool) -> Iterator[None]:
+        """What ``fabric.no_backward_sync(model, enabled)`` does here: FSDP1's ``no_sync``, marked for the window."""
+        previous, self._accumulating = self._accumulating, enabled
+        try:
+            with module.no_sync() if enabled else contextlib.nullcontext():  # type: ignore[operator]
+                yield
+        finally:
+            self._accumulating = previous
+
+
+class WeightedFabricModelParallelStrategy(WeightedFabricStrategy, ModelParallelStrategy):
+    """The weighted Fabric strategy over FSDP2 (``ModelParallelStrategy``): ``strategy="fsdp2_weighted"``.
+
+    Set up the model before its optimizer. FSDP2 SUM-reduces each microbatch; ``no_backward_sync`` only marks windows.
+
+    Args:
+        *args: ``ModelParallelStrategy``'s arguments; ``parallelize_fn`` defaults to ``shard_blocks``.
+        participation: as for :class:`~lightning_weighted.WeightedFabricDDPStrategy`.
+        **kwargs: ``ModelParallelStrategy``'s keyword arguments.
+    """
+
+    strategy_name = "fsdp2_weighted"
+
+    def __init__(self, *args: Any, participation: Policy = "pad", **kwargs: Any) -> None:
+        if not args:
+            kwargs.setdefault("parallelize_fn", shard_blocks)
+        super().__init__(*args, participation=participation, **kwargs)
+        set_backward_sync_control(self, MarkWindow(lambda module, enabled: self.accumulating(enabled)))
+        self._accumulating = False  # inside `fabric.no_backward_sync(model)`
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
+        register(
+            strategy_registry, cls, "Count-weighted Fabric FSDP2, every rank data-parallel", ("fsdp2_weighted", {})
+        )
+
+    @override
+    def setup_environment(self) -> None:
+        every_rank_data_parallel(self)
+        super().setup_environment()
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        module = super().setup_module(module)
+        self._start(FSDP2Engine(module, data_parallel_group(self.device_mesh)))
+        return module
+
+    @contextlib.contextmanager
+    def accumulating(self, enabled: bool = True) -> Iterator[None]:
+        """What ``fabric.no_backward_sync(model, enabled)`` does here: marks backwards that do not end the window."""
+        previous, self._accumulating = self._accumulating, enabled
+        try:
+            yield
+        finally:
+            self._accumulating = previous
+
+    @override
+    def _syncs(self) -> bool:
+        return not self._accumulating
