@@ -1,10 +1,8 @@
 """Every private Lightning and PyTorch symbol this package uses, read or set through an accessor, in one place.
 
-Each entry says why no public API serves, checked on the versions CI runs (``.ci/versions``); where torch moved a
-symbol, the entry branches here, and only here, on :data:`TORCH`, naming the releases each branch serves.
-``tests/unit/test_compat.py`` pins each entry and branch. What a fit patches is in
-:mod:`lightning_weighted.trainer._seam`; the one protected method overridden is ``FSDPStrategy._setup_model``, to
-wrap a module on the CPU (``trainer/fsdp1.py``).
+Each entry says why no public API serves; where torch moved a symbol, the entry branches here, and only here, on
+:data:`TORCH`; ``tests/unit/test_compat.py`` pins each. What a fit patches: :mod:`lightning_weighted.trainer._seam`;
+the one protected method overridden: ``FSDPStrategy._setup_model``, to wrap a module on the CPU (``trainer/fsdp1.py``).
 """
 
 from __future__ import annotations
@@ -14,8 +12,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.strategies.registry import _StrategyRegistry as StrategyRegistry  # Lightning's registry type
+from lightning.fabric.strategies.strategy import _BackwardSyncControl as BackwardSyncControl  # no public base class
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
@@ -30,12 +28,8 @@ __all__ = [
 ]
 # fmt: on
 
-# The installed torch's (major, minor): the releases each version branch below serves are named by it.
-TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-
-# FSDP2's engine calls public `FSDPModule` methods that torch added up to 2.9: `set_all_reduce_hook` (2.7),
-# `set_gradient_divide_factor` and `set_force_sum_reduction_for_comms` (2.8), `set_custom_reduce_scatter` (2.9).
-FSDP2_TORCH = (2, 9)
+TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])  # the installed (major, minor)
+FSDP2_TORCH = (2, 9)  # the first torch with every public `FSDPModule` method FSDP2's engine calls
 
 
 def require_torch(minimum: tuple[int, int], what: str) -> None:
@@ -48,21 +42,12 @@ def require_torch(minimum: tuple[int, int], what: str) -> None:
         )
 
 
-# The registry type of `register_strategies(cls, registry)`, which Lightning's own strategies annotate with it.
-StrategyRegistry = _StrategyRegistry
-
-
 def register(registry: StrategyRegistry, cls: type, what: str, *names: tuple[str, dict[str, Any]]) -> None:
     """Registers ``cls`` under each name with its keyword arguments, as Lightning registers ``"ddp"``'s variants."""
     for name, kwargs in names:
         extra = ", ".join(f"{key}={value!r}" for key, value in kwargs.items())
         description = f"{what} ({extra})" if extra else what
         registry.register(name, cls, description=description, override=True, **kwargs)  # importing twice: as it was
-
-
-# Fabric's `no_backward_sync` asks the strategy's `_backward_sync_control` (no public hook): FSDP2 under Fabric
-# replaces it so that the context only marks the window (`fabric/fsdp2.py`, through `set_backward_sync_control`).
-BackwardSyncControl = _BackwardSyncControl
 
 
 def set_backward_sync_control(strategy: Any, control: Any) -> None:
@@ -92,16 +77,12 @@ def fsdp1_options(strategy: Any) -> tuple[str, dict[str, Any], dict[str, Any]]:
     return strategy._state_dict_type, kwargs, strategy._activation_checkpointing_kwargs
 
 
-# The barrier Lightning's loops pass right before they process a stage's dataloaders (`strategy.barrier(
-# "train_dataloader()")`, ...): `process_dataloader` itself is not told which stage a loader is for.
+# The barrier Lightning's loops pass right before they process a stage's loaders (`process_dataloader` is not told).
 LOADER_BARRIERS = {"train_dataloader()": "train", "val_dataloader()": "val", "test_dataloader()": "test"}
 
 
 def unfloored(tensor: Tensor, reduce_op: object) -> Tensor:
-    """``tensor`` in float64 where it is an integer tensor about to be mean-reduced, else itself.
-
-    Lightning's logging mean-reduces integer batch-size sums, whose mean floors (Lightning issue #21859, 2.6-2.7).
-    """
+    """``tensor`` in float64 where it is an integer tensor about to be mean-reduced (Lightning floors it, #21859)."""
     if not tensor.is_floating_point() and str(reduce_op).lower().rsplit(".", 1)[-1] in ("mean", "avg"):
         return tensor.double()
     return tensor
@@ -172,27 +153,22 @@ def fsdp2_param_groups(module: nn.Module) -> list[Any]:
 
 
 def fsdp2_policies(group: Any) -> list[Any]:
-    """The ``MixedPrecisionPolicy`` each parameter of an FSDP2 parameter group computes and reduces under.
-
-    Up to torch 2.14 the group's one policy; from 2.15 each parameter's own (``param_dtype_override_fn``).
-    """
-    if TORCH < (2, 15):  # torch 2.9-2.14
+    """The ``MixedPrecisionPolicy`` each parameter of an FSDP2 parameter group computes and reduces under."""
+    if TORCH < (2, 15):  # torch 2.9-2.14: the group's one policy
         return [group.mp_policy]
-    return [param.mp_policy for param in group.fsdp_params]  # torch 2.15 on
+    return [param.mp_policy for param in group.fsdp_params]  # torch 2.15 on: each its own (`param_dtype_override_fn`)
 
 
 def fsdp2_shard_sizes(group: Any) -> tuple[int, int]:
     """How many ranks an FSDP2 parameter group shards and replicates over (its private ``mesh_info``)."""
-    mesh_info = group.mesh_info
-    return getattr(mesh_info, "shard_mesh_size", 1), getattr(mesh_info, "replicate_mesh_size", 1)
+    return getattr(group.mesh_info, "shard_mesh_size", 1), getattr(group.mesh_info, "replicate_mesh_size", 1)
 
 
 def flat_parameters(module: nn.Module) -> list[Tensor]:
     """FSDP1's flat parameters in ``module``, where each unit's unsharded gradient accumulates."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    units = FullyShardedDataParallel.fsdp_modules(module)
-    return [unit._flat_param for unit in units if unit._flat_param is not None]
+    return [unit._flat_param for unit in FullyShardedDataParallel.fsdp_modules(module) if unit._flat_param is not None]
 
 
 def fsdp_setup_helpers() -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -241,5 +217,4 @@ def rebuild_loader(loader: DataLoader[Any], sampler: Any) -> DataLoader[Any]:
     """Lightning's ``_update_dataloader``: the loader built again with ``sampler``, for custom batch samplers."""
     from lightning.pytorch.utilities.data import _update_dataloader
 
-    rebuilt: DataLoader[Any] = _update_dataloader(loader, sampler)
-    return rebuilt
+    return _update_dataloader(loader, sampler)

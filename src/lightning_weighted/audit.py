@@ -1,12 +1,4 @@
-"""``ObjectiveAudit``: checks that an optimizer step's gradient is the gradient of the global item mean.
-
-On an audited step, before the optimizer uses the synchronized gradient ``g``, the audit re-runs each microbatch's
-``training_step`` and takes ``torch.autograd.grad`` of its loss (never touching ``.grad``), sums ``Σ_m n_m · ḡ_m``
-and the counts over the ranks in float64 into the intended gradient ``g*`` (:mod:`lightning_weighted.window`), and
-reports ``objective_error = max|g - g*| / max|g*|`` and ``replica_error``, the spread of the ranks' checksums of
-parameters and gradients. It measures plain strategies as well as weighted ones (under FSDP, whole gradients of the
-whole parameters, :class:`Targets`): on the worked trace plain DDP's 2.0 against ``g* = 2.5`` is an error of 0.2.
-"""
+"""``ObjectiveAudit``: checks that an optimizer step's gradient is the gradient of the global item mean."""
 
 from __future__ import annotations
 
@@ -40,6 +32,7 @@ _FIX = (
     "Train with a weighted strategy (`strategy='ddp_weighted'`, 'fsdp2_weighted' or 'fsdp_weighted' under FSDP,"
     f" after `import lightning_weighted`). {TRAINER.fix}"
 )
+_rerunning = False  # True while an audit re-runs `training_step`
 
 
 class ObjectiveMismatchError(RuntimeError):
@@ -52,12 +45,11 @@ class AuditReport:
 
     Attributes:
         step: ``trainer.global_step`` before the audited optimizer step (0 for the first step).
-        objective_error: ``max|g - g*| / max|g*|``, where ``g`` is this rank's synchronized gradient and ``g*``
-            the gradient of the global item mean (the largest value over ranks).
+        objective_error: ``max|g - g*| / max|g*|``, ``g`` the synchronized gradient (the largest over ranks).
         replica_error: the largest relative spread across ranks of the parameter and gradient checksums.
         imbalance: ``max_r P · n_r / N``: 1 when every rank holds the same number of items.
         norm: ``‖g‖``, the L2 norm of the synchronized gradient (rank 0's).
-        expected_norm: ``‖g*‖``, the L2 norm of the gradient of the global item mean.
+        expected_norm: ``‖g*‖``, the L2 norm of ``g*``, the gradient of the global item mean.
         counts: ``n_r``, the window's item count on each rank.
         passed: both errors are within ``rtol``.
     """
@@ -74,11 +66,10 @@ class AuditReport:
 
 def relative_error(actual: Tensor, expected: Tensor) -> float:
     """``max|actual - expected| / max|expected|``: 0 when both are zero, ``inf`` when only ``expected`` is."""
-    scale = float(expected.abs().max()) if expected.numel() else 0.0
-    difference = float((actual - expected).abs().max()) if expected.numel() else 0.0
-    if scale == 0:
-        return 0.0 if difference == 0 else math.inf
-    return difference / scale
+    if not expected.numel():
+        return 0.0
+    scale, difference = float(expected.abs().max()), float((actual - expected).abs().max())
+    return difference / scale if scale != 0 else (0.0 if difference == 0 else math.inf)
 
 
 def spread(rows: Tensor) -> float:
@@ -92,12 +83,9 @@ def spread(rows: Tensor) -> float:
 class ObjectiveAudit(Callback):
     """Checks, every ``every_n_steps`` optimizer steps, the synchronized gradient against the global item mean.
 
-    Counts are the training count rule's (a replay counts 0). An audited window costs one more forward and backward
-    per microbatch, a float64 copy of the gradients and two collectives (under FSDP, the whole parameters and
-    gradients too). The re-run takes each microbatch's RNG state, restores the buffers and ignores ``self.log``;
-    other side effects of ``training_step`` happen twice unless guarded by :func:`is_audit_rerun`. Each audited
-    step goes to the loggers as ``audit/objective_error``, ``audit/replica_error`` and ``audit/imbalance`` (at
-    ``step = global_step``), to rank 0's INFO log, and to :attr:`reports`.
+    Each audited step goes to the loggers as ``audit/objective_error``, ``audit/replica_error`` and
+    ``audit/imbalance``, to rank 0's INFO log, and to :attr:`reports`. Side effects of ``training_step`` other than
+    ``self.log`` happen twice unless guarded by :func:`is_audit_rerun`; the costs: ``docs/example_and_audit.md``.
 
     Args:
         every_n_steps: audit the steps whose ``global_step`` is a multiple of it; ``None`` (default): no audit.
@@ -108,9 +96,8 @@ class ObjectiveAudit(Callback):
     def __init__(
         self, every_n_steps: int | None = None, on_mismatch: Literal["warn", "raise"] = "warn", rtol: float = 1e-3
     ) -> None:
-        if every_n_steps is not None and (
-            isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1
-        ):
+        positive = isinstance(every_n_steps, int) and not isinstance(every_n_steps, bool) and every_n_steps >= 1
+        if every_n_steps is not None and not positive:
             raise ValueError(
                 f"`every_n_steps={every_n_steps!r}` is not a positive int: pass how many optimizer steps apart the"
                 " audited steps are (1 audits every step), or None to turn the audit off."
@@ -154,10 +141,8 @@ class ObjectiveAudit(Callback):
         rng = [torch.get_rng_state()]
         if pl_module.device.type == "cuda":
             rng.append(torch.cuda.get_rng_state(pl_module.device))
-        strategy = trainer.strategy
-        self._window.append(
-            Microbatch(batch, batch_idx, rng, isinstance(strategy, WeightedStrategy) and strategy.padding_step)
-        )
+        padding = isinstance(trainer.strategy, WeightedStrategy) and trainer.strategy.padding_step
+        self._window.append(Microbatch(batch, batch_idx, rng, padding))
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
@@ -178,18 +163,15 @@ class ObjectiveAudit(Callback):
         )
         if report.passed:
             return
-        message = _mismatch_message(report, self.rtol)
         if self.on_mismatch == "raise":
-            raise ObjectiveMismatchError(message)
-        rank_zero_warn(message)
+            raise ObjectiveMismatchError(_mismatch_message(report, self.rtol))
+        rank_zero_warn(_mismatch_message(report, self.rtol))
 
     def _audit(self, trainer: Trainer, pl_module: LightningModule, window: list[Microbatch]) -> AuditReport:
-        strategy = trainer.strategy
-        sharded = isinstance(strategy, (ModelParallelStrategy, FSDPStrategy))
+        strategy, device = trainer.strategy, pl_module.device
         targets = Targets(pl_module, strategy.model if isinstance(strategy, FSDPStrategy) else None)
         params = [param for param in targets.values() if param is not None]
-        device = pl_module.device
-        sums, items, invalid = local_sums(trainer, pl_module, targets, params, window, sharded)
+        sums, items, invalid = local_sums(trainer, pl_module, targets, params, window)
         # One SUM of the counts gives every rank N_k (and the ranks with an invalid count), one more Σ_k S_k / N_k.
         totals = torch.tensor([*items, invalid], dtype=torch.float64, device=device)
         distributed = dist.is_available() and dist.is_initialized()
@@ -248,14 +230,8 @@ def _mismatch_message(report: AuditReport, rtol: float) -> str:
     return " ".join(parts)
 
 
-_rerunning = False  # True while an audit re-runs `training_step`
-
-
 def is_audit_rerun() -> bool:
-    """Whether ``training_step`` is being re-run by an :class:`~lightning_weighted.ObjectiveAudit`, not trained on.
-
-    Its ``self.log`` calls are ignored; guard any other side effect (a counter, a ``torchmetrics`` update) with this.
-    """
+    """Whether an :class:`ObjectiveAudit` re-runs ``training_step``: guard side effects besides ``self.log`` with it."""
     return _rerunning
 
 
@@ -270,21 +246,13 @@ class Microbatch:
 
 
 def local_sums(
-    trainer: Trainer,
-    pl_module: LightningModule,
-    targets: Targets,
-    params: list[Tensor],
-    window: list[Microbatch],
-    sharded: bool,
+    trainer: Trainer, pl_module: LightningModule, targets: Targets, params: list[Tensor], window: list[Microbatch]
 ) -> tuple[list[Tensor], list[float], float]:
-    """Re-runs the window's microbatches; returns each part's ``Σ_m n_m · ḡ_m``, its ``Σ_m n_m``, and 1.0 if invalid.
-
-    ``params``: the whole parameters. Sharded, every backward runs, whose all-gathers every rank takes part in.
-    """
+    """Re-runs the window; returns each part's ``Σ_m n_m · ḡ_m`` over ``params``, its ``Σ_m n_m``, 1.0 if invalid."""
     strategy = trainer.strategy
-    names = (
-        strategy.item_counter.names if isinstance(strategy, WeightedTrainerStrategy) and strategy.item_counter else ()
-    )
+    sharded = isinstance(strategy, (ModelParallelStrategy, FSDPStrategy))  # every rank joins each backward's gathers
+    counter = strategy.item_counter if isinstance(strategy, WeightedTrainerStrategy) else None
+    names = counter.names if counter else ()
     size = sum(param.numel() for param in params)
     sums = [torch.zeros(size, dtype=torch.float64, device=pl_module.device) for _ in names or ("",)]
     items, invalid = [0.0] * len(sums), 0.0
@@ -345,7 +313,6 @@ def flat(tensors: Sequence[Tensor | None], like: Sequence[Tensor]) -> Tensor:
 def _rerun_step(pl_module: LightningModule) -> Iterator[None]:
     """Marks the re-run for :func:`is_audit_rerun`; its ``self.log`` calls do nothing (no double logging)."""
     global _rerunning
-
     with logs_ignored(pl_module):
         _rerunning = True
         try:
@@ -355,12 +322,7 @@ def _rerun_step(pl_module: LightningModule) -> Iterator[None]:
 
 
 class Targets:
-    """The trainable parameters of ``module``, each read whole, and as the tensor a forward uses.
-
-    Args:
-        module: the ``LightningModule`` (its submodules may be FSDP2 modules or FSDP1 units).
-        root: the FSDP1 root that wraps ``module`` (read inside ``summon_full_params``), or ``None``.
-    """
+    """The trainable parameters of ``module``, each read whole (inside FSDP1's ``root``), and as a forward uses it."""
 
     def __init__(self, module: nn.Module, root: nn.Module | None = None) -> None:
         self.root = root
@@ -374,10 +336,7 @@ class Targets:
 
     @contextlib.contextmanager
     def used(self) -> Iterator[list[Tensor]]:
-        """For the forward run inside the block: the tensor each parameter's module computed with (else itself).
-
-        Under FSDP that is the whole parameter, differentiable where the shard outside a forward is not.
-        """
+        """The tensor each parameter's module computed with in the block's forward: under FSDP, the whole parameter."""
         tensors: list[Tensor] = [getattr(owner, name) for owner, name in self.owners]
         slots: dict[nn.Module, list[tuple[int, str]]] = {}
         for index, (owner, name) in enumerate(self.owners):
@@ -396,18 +355,16 @@ class Targets:
 
     def values(self, gradients: bool = False) -> list[Tensor | None]:
         """Every parameter (or gradient, ``None`` where none) whole, the same on every rank: a collective under FSDP."""
-        with self._summoned(gradients):
+        summoned: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if self.root is not None:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            summoned = FullyShardedDataParallel.summon_full_params(self.root, writeback=False, with_grads=gradients)
+        with summoned:
             values = [getattr(owner, name) for owner, name in self.owners]
             if gradients:
                 values = [value.grad for value in values]
             return [None if value is None else _whole(value.detach()) for value in values]
-
-    def _summoned(self, gradients: bool) -> contextlib.AbstractContextManager[Any]:
-        if self.root is None:
-            return contextlib.nullcontext()
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        return FullyShardedDataParallel.summon_full_params(self.root, writeback=False, with_grads=gradients)
 
 
 def _whole(tensor: Tensor) -> Tensor:

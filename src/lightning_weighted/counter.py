@@ -40,11 +40,8 @@ def count_tokens(
 
     Example::
 
-        >>> batch = {"labels": torch.tensor([[5, 7, 9], [5, 6, -100]])}
-        >>> count_tokens(batch, "labels", shift=True)  # targets [7, 9] and [6]
+        >>> count_tokens({"labels": torch.tensor([[5, 7, 9], [5, 6, -100]])}, "labels", shift=True)  # [7, 9], [6]
         tensor(3)
-        >>> count_tokens(batch, "labels")  # without the shift: one more per row
-        tensor(5)
     """
     values = _select(batch, key)
     valid = values.bool() if mask else values != ignore_index
@@ -67,8 +64,6 @@ def count_documents(batch: Any, key: str | int = "position_ids") -> int | Tensor
 
         >>> count_documents({"position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])})  # 3 documents
         tensor(3)
-        >>> count_documents({"cu_seq_lens_q": torch.tensor([0, 3, 5, 9])}, "cu_seq_lens_q")  # its length only
-        3
     """
     values = _select(batch, key)
     if "cu_seq_lens" in str(key):
@@ -79,9 +74,8 @@ def count_documents(batch: Any, key: str | int = "position_ids") -> int | Tensor
 class ItemCounter(Callback):
     """How a weighted strategy counts each microbatch's items from the batch: a specification, with no state of a fit.
 
-    ``training_step`` may then return a bare loss: each batch is counted on the host as the loader yields it, ahead
-    of the window (:mod:`lightning_weighted.window`), or, with several train dataloaders, as the step receives it. A
-    ``"count"`` still returned must agree. A callback, so that ``Trainer(callbacks=[...])`` hands it to the strategy.
+    ``training_step`` may then return a bare loss (a ``"count"`` still returned must agree); each batch is counted on
+    the host as the loader yields it. A callback, so that ``Trainer(callbacks=[...])`` hands it to the strategy.
 
     Args:
         count: ``"examples"``, ``"tokens"``, ``"weights"``, ``"documents"`` (the ``count_*`` functions) or a
@@ -145,12 +139,10 @@ class ItemCounter(Callback):
         return count_tokens(batch, self.key, ignore_index=self.ignore_index, mask=self.mask, shift=self.shift)
 
     def counts(self, batch: Any, host: bool = False, combined: bool = False) -> list[Count]:
-        """Each part's count of ``batch``, checked (one, without parts).
+        """Each part's count of the microbatch ``batch``, checked (one, without parts).
 
-        Args:
-            batch: the microbatch.
-            host: read the counts on the host (a batch the loader yielded, before it moves).
-            combined: the batch combines several loaders' batches: a preset counts each.
+        ``host``: read the counts on the host (a batch the loader yielded, before it moves). ``combined``: the batch
+        combines several loaders' batches, each counted by a preset.
         """
         counters = list(self.parts.values()) or [self]
         return [read_count(c._combined(batch) if combined else c.count_of(batch), c.integer, host) for c in counters]
@@ -159,8 +151,7 @@ class ItemCounter(Callback):
         if callable(self.count):
             return self.count(batch)
         subs = batch.values() if isinstance(batch, Mapping) else batch
-        total: Any = sum((self.count_of(sub) for sub in subs if sub is not None), 0)  # None: a loader out of batches
-        return total  # type: ignore[no-any-return]
+        return sum((self.count_of(sub) for sub in subs if sub is not None), 0)  # None: a loader out of batches
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

@@ -1,8 +1,4 @@
-"""Logging the weighted objective of each optimizer step: ``ItemMetrics``, and ``ItemMonitor``, its Trainer callback.
-
-As ``ThroughputMonitor`` feeds Lightning's ``Throughput``, :class:`ItemMonitor` feeds :class:`ItemMetrics` each
-window's :class:`~lightning_weighted.WindowResult`. Neither counts anything: the counts are the strategy's.
-"""
+"""Logging the weighted objective of each optimizer step: ``ItemMetrics``, and ``ItemMonitor``, its Trainer callback."""
 
 from __future__ import annotations
 
@@ -18,28 +14,26 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_weighted._compat import trainer_of
-from lightning_weighted.strategy import WeightedStrategy, weighted
+from lightning_weighted.strategy import weighted
 from lightning_weighted.window import WindowResult, imbalance
 
 __all__ = ["ItemMetrics", "ItemMonitor", "loggable"]
 
 _SHOWN = ("train/loss", "train/items_per_sec")  # in the progress bar
+_ROLE = "ItemMonitor logs the windows of"  # the opening of the error of a strategy that is not weighted
 
 
 class ItemMetrics:
     """The weighted objective of each optimizer step, from its window's result: a plain object, for a Fabric loop.
 
-    :meth:`update` takes each window's result (``strategy.last_window``); :meth:`compute` returns the last one's
-    values to log (``fabric.log_dict(metrics.compute())``):
+    :meth:`update` takes each ``strategy.last_window``; :meth:`compute` returns the last one's values to log:
 
-    - ``train/loss``: ``Σ n·loss / N`` (absent where ``N = 0``; with parts, the sum of ``train/loss/<part>``);
-    - ``train/items``: ``N`` (each part's as ``train/items/<part>``); ``train/items_local``: this rank's items;
+    - ``train/loss`` (absent where ``N = 0``), ``train/items`` (``N``) and ``train/items_local`` (this rank's items),
+      each part's as ``train/loss/<part>`` and ``train/items/<part>``;
     - ``train/items_per_sec``: ``N`` over the window's wall time (where :meth:`update` was given it);
-    - ``train/imbalance``: ``max_r P·n_r / N``, plain DDP's skew of item influence (one MAX all-reduce);
-    - ``train/aux/<name>``: each auxiliary term's mean over the window's microbatches and ranks (one SUM).
+    - ``train/imbalance`` (one MAX all-reduce) and ``train/aux/<name>``, each auxiliary term's mean (one SUM).
 
-    :meth:`end_epoch` returns ``train/loss_epoch``, the steps' losses weighted by ``N``; :attr:`items_total`, every
-    ``N`` summed, is what a checkpoint keeps.
+    :meth:`end_epoch` returns ``train/loss_epoch``; :attr:`items_total`, every ``N`` summed, is what a checkpoint keeps.
 
     Args:
         group: the data-parallel ranks (``strategy.data_parallel_group``; ``None``: every rank).
@@ -90,8 +84,7 @@ class ItemMetrics:
     def compute(self, collectives: bool = True) -> dict[str, float | Tensor]:
         """The values of the last window (nothing before the first), by the names they are logged under.
 
-        Args:
-            collectives: add ``train/imbalance`` and ``train/aux/<name>`` (one all-reduce each: every rank calls).
+        ``collectives``: add ``train/imbalance`` and ``train/aux/<name>`` (one all-reduce each: every rank calls).
         """
         window = self._window
         if window is None:
@@ -149,9 +142,8 @@ class ItemMetrics:
 class ItemMonitor(Callback):
     """Logs the weighted objective of every optimizer step of a weighted strategy, as :class:`ItemMetrics` computes it.
 
-    Every step's values (the loss and the rate in the progress bar), with ``train/imbalance`` and the ``"aux"`` terms
-    ``training_step`` returns only on the steps Lightning logs; ``train/loss_epoch`` at each epoch's end. Every value
-    is global already (no ``sync_dist``), and float64 in a ``64-true`` run; :attr:`items_total` is checkpointed.
+    The loss and the rate show in the progress bar; ``train/imbalance`` and the ``"aux"`` terms ``training_step``
+    returns only on the steps Lightning logs. Every value is global (no ``sync_dist``); :attr:`items_total` is saved.
 
     Args:
         imbalance: log ``train/imbalance``.
@@ -171,7 +163,7 @@ class ItemMonitor(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        _results(trainer)
+        weighted(trainer.strategy, _ROLE)
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -182,7 +174,7 @@ class ItemMonitor(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        strategy = _results(trainer)
+        strategy = weighted(trainer.strategy, _ROLE)
         self._microbatches += 1
         terms = outputs.get("aux") if isinstance(outputs, Mapping) else None
         if isinstance(terms, Mapping) and not strategy.padding_step:
@@ -193,13 +185,12 @@ class ItemMonitor(Callback):
             return  # no optimizer step ended with this batch
         self._last_step = window.step
         elapsed = time.perf_counter() - (self._started or math.inf)
-        aux, microbatches, self._aux, self._microbatches, self._started = self._aux, self._microbatches, {}, 0, None
-        metrics = self.metrics
-        metrics.group, metrics.device = strategy.data_parallel_group, pl_module.device
-        metrics.update(window, elapsed=elapsed, aux=aux, microbatches=microbatches)
+        self.metrics.group, self.metrics.device = strategy.data_parallel_group, pl_module.device
+        self.metrics.update(window, elapsed=elapsed, aux=self._aux, microbatches=self._microbatches)
+        self._aux, self._microbatches, self._started = {}, 0, None
         every: int = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by the Trainer's logger connector
         logs_now = trainer.logger is not None and (trainer.global_step + 1) % every == 0
-        values = {k: loggable(v, pl_module) for k, v in metrics.compute(collectives=logs_now).items()}
+        values = {k: loggable(v, pl_module) for k, v in self.metrics.compute(collectives=logs_now).items()}
         shown = {k: v for k, v in values.items() if k in _SHOWN}
         pl_module.log_dict(shown, prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
         logged = {k: v for k, v in values.items() if k not in _SHOWN}
@@ -225,8 +216,3 @@ def loggable(value: float | Tensor, module: LightningModule) -> float | Tensor:
     trainer = trainer_of(module)  # None outside a fit
     float64 = trainer is not None and str(trainer.precision).startswith("64")
     return torch.as_tensor(value, dtype=torch.float64).to(module.device) if float64 else value
-
-
-def _results(trainer: Trainer) -> WeightedStrategy:
-    """The weighted strategy whose windows are logged; a clear error for any other."""
-    return weighted(trainer.strategy, "ItemMonitor logs the windows of")

@@ -16,10 +16,7 @@ __all__ = ["LAUNCHERS", "WeightedStrategy", "data_parallel_group", "every_rank_d
 
 
 class WeightedStrategy:
-    """What every weighted strategy tells of its loop of windows, Trainer and Fabric alike (a mixin).
-
-    Callbacks and loops that read a window's result check ``isinstance(strategy, WeightedStrategy)``.
-    """
+    """The mixin of every weighted strategy, Trainer and Fabric alike: what it tells of its loop of windows."""
 
     _loop: WindowLoop | None
 
@@ -68,10 +65,7 @@ LAUNCHERS: tuple[tuple[str, dict[str, Any]], ...] = (  # a registered name, its 
 
 
 def data_parallel_group(mesh: Any, dims: str | Sequence[str] = "data_parallel") -> dist.ProcessGroup:
-    """The process group of a device mesh's data-parallel dimensions: where a window's counts are summed.
-
-    ``dims``: one dimension, or several flattened into one group (HSDP's ``("replicate", "shard")``).
-    """
+    """The process group of a device mesh's data-parallel ``dims``: one, or several flattened (HSDP's two)."""
     names = (dims,) if isinstance(dims, str) else tuple(dims)
     submesh = mesh[names[0]] if len(names) == 1 else flatten_mesh(mesh, names)
     group: dist.ProcessGroup = submesh.get_group()
@@ -80,14 +74,11 @@ def data_parallel_group(mesh: Any, dims: str | Sequence[str] = "data_parallel") 
 
 def every_rank_data_parallel(strategy: Any) -> None:
     """Sets a ``ModelParallelStrategy``'s ``"auto"`` mesh sizes by :func:`mesh_sizes`, before it builds its mesh."""
-    world = strategy.num_nodes * strategy.num_processes
-    set_parallel_sizes(strategy, *mesh_sizes(world, *parallel_sizes(strategy)))
+    set_parallel_sizes(strategy, *mesh_sizes(strategy.num_nodes * strategy.num_processes, *parallel_sizes(strategy)))
 
 
 def mesh_sizes(world: int, data: int | Literal["auto"], tensor: int | Literal["auto"]) -> tuple[int, int]:
-    """``(data_parallel_size, tensor_parallel_size)``: every rank data-parallel unless told otherwise.
-
-    Lightning's own ``"auto"`` is one data-parallel rank per node; here it is what the other size leaves.
+    """``(data_parallel_size, tensor_parallel_size)``, where an ``"auto"`` size is what the other leaves of ``world``.
 
     Example::
 
