@@ -2,7 +2,8 @@
 
 Each entry says why no public API serves; where torch moved a symbol, the entry branches here, and only here, on
 :data:`TORCH`; ``tests/unit/test_compat.py`` pins each. What a fit patches: :mod:`lightning_weighted.trainer._seam`;
-the one protected method overridden: ``FSDPStrategy._setup_model``, to wrap a module on the CPU (``trainer/fsdp1.py``).
+the one protected method overridden: ``FSDPStrategy._setup_model``, to wrap a module on the CPU
+(``trainer/strategies.py``).
 """
 
 from __future__ import annotations
