@@ -130,7 +130,7 @@ def write_report(data: dict[str, Any], out: Path) -> None:
     ]  # fmt: skip
     if probe:
         sections += [
-            f"The window's payload all-reduce (48 bytes of float64 per loss part) takes"
+            f"The window's payload all-reduce (48 bytes of float64 for one loss, 24 more per loss part) takes"
             f" {probe['payload_allreduce_s'] * 1e6:.0f} µs on this loopback (median of 200), an 8 MiB fp32 one"
             f" {probe['allreduce_8MiB_s'] * 1e3:.1f} ms.",
             "",

@@ -204,6 +204,29 @@ class FourPartsStep(AheadStep):
     parts = ("a", "b", "c", "d")
 
 
+class PlainPartsStep(PlainDDPStep):
+    """Plain DDP trained on K named parts: what ``strategy="ddp"`` does with a ``training_step`` that returns them
+    (each the item mean ÷ K, as ``AheadStep``'s) and their sum as its loss. The control of the parts rows: beside
+    ``ddp_weighted_parts4 − ddp_weighted_parts1``, ``ddp_parts4 − ddp_parts1`` is what K parts cost the user's own
+    step (their dict, their stack and sum, and one more gradient per part in the backward) without any weighting."""
+
+    parts: tuple[str, ...] = ("a",)
+
+    def step(self) -> None:
+        for micro, batch in enumerate(self.window()):
+            with self.sync(micro):
+                share = self.ddp(batch) / len(self.parts)
+                parts = {name: share for name in self.parts}
+                (torch.stack(list(parts.values())).sum() / self.accumulate).backward()
+        self.finish()
+
+
+class PlainFourPartsStep(PlainPartsStep):
+    """Plain DDP trained on four named parts (:class:`PlainPartsStep`)."""
+
+    parts = ("a", "b", "c", "d")
+
+
 class PostHocStep(PlainDDPStep):
     """Post-hoc normalisation (fairseq / Megatron / torchtune)."""
 
@@ -245,6 +268,8 @@ VARIANTS: dict[str, type[PlainDDPStep]] = {
     "pre_count": PreCountStep,
     "ddp_weighted_parts1": OnePartStep,
     "ddp_weighted_parts4": FourPartsStep,
+    "ddp_parts1": PlainPartsStep,  # the parts rows' control: plain DDP trained on the same 1 and 4 parts
+    "ddp_parts4": PlainFourPartsStep,
 }
 
 

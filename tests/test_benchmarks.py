@@ -87,8 +87,8 @@ def test_loss_parts_add_no_collective_their_counts_ride_in_the_one_payload_all_r
         calls, plain = entry["collectives"], entry["collectives"]["ddp"]
         for name, parts in (("ddp_weighted_parts1", 1), ("ddp_weighted_parts4", 4)):
             extra = {kind: value for kind, value in calls[name].items() if plain.get(kind) != value}
-            # one all-reduce per step whatever K: each part's 6 float64 values in one vector (4 parts: 192 B)
-            assert extra == {"all_reduce[float64]": [1, 8 * 6 * parts]}, (name, entry["point"], calls)
+            # one all-reduce per step whatever K: 3 shared float64 values and 3 per part in one vector (4 parts: 120 B)
+            assert extra == {"all_reduce[float64]": [1, 8 * (3 + 3 * parts)]}, (name, entry["point"], calls)
             assert set(plain) <= set(calls[name]), (name, calls)
             assert entry["buckets"][name] == entry["buckets"]["ddp"], entry["buckets"]  # DDP's own buckets alike
 
@@ -100,7 +100,7 @@ def test_the_report_holds_each_level_with_its_tables(results: dict[str, Any]) ->
         assert report.count(title) == 1, title
     assert report.count("Final-parameter deviation / first-step gradient deviation") == 3
     assert "| tiny A=2 | ddp_weighted (counts after) | all_reduce[float64] ×1 (48 B) |" in report
-    assert "| tiny A=2 | counts ahead, 4 parts | all_reduce[float64] ×1 (192 B) |" in report
+    assert "| tiny A=2 | counts ahead, 4 parts | all_reduce[float64] ×1 (120 B) |" in report
 
 
 @pytest.mark.cost
@@ -155,3 +155,32 @@ def test_the_median_interval_covers_the_median_narrows_with_rounds_and_decides_t
     assert verdict(many, 1.03) == "met"
     assert verdict(many, 0.97) == "missed"
     assert verdict(few, 1.0) == "not resolved"
+
+
+def test_the_parts_rows_control_trains_plain_ddps_update_and_the_weighted_parts_that_of_counts_ahead() -> None:
+    # `ddp_parts1/4` (plain DDP on K parts) are the control of the instruction rows of `ddp_weighted_parts1/4`: each
+    # must do plain DDP's training and each weighted parts variant that of counts ahead, so that the rows differ by
+    # the parts' bookkeeping alone; on one rank the two objectives differ (uneven microbatches), so the check can fail
+    code = f"""
+import sys, torch
+sys.path.insert(0, {str(ROOT / "benchmarks")!r})
+from common import Point, one_rank
+from steps import build
+names = ["ddp", "ddp_parts1", "ddp_parts4", "ddp_weighted", "ddp_weighted_parts1", "ddp_weighted_parts4"]
+with one_rank():
+    variants = build(Point("tiny", 2, "fp32", 3, 0), names, 0, 1)
+    for variant in variants.values():
+        for _ in range(3):
+            variant.step()
+    flat = {{n: torch.cat([p.flatten() for p in v.parameters()]) for n, v in variants.items()}}
+    for name in names:
+        base = "ddp_weighted" if "weighted" in name else "ddp"
+        print(name, float((flat[name] - flat[base]).abs().max()), float((flat[name] - flat["ddp"]).abs().max()))
+"""
+    done = run([sys.executable, "-c", code], timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:]
+    lines = [line.split() for line in done.stdout.splitlines() if line.startswith("ddp")]
+    rows = {name: [float(value) for value in values] for name, *values in lines}
+    assert len(rows) == 6 and {"ddp_parts4", "ddp_weighted_parts4"} <= set(rows), done.stdout
+    assert all(to_base < 1e-6 for to_base, _ in rows.values()), rows  # each trains its base's update
+    assert rows["ddp_weighted"][1] > 1e-4, rows  # and the two bases differ

@@ -8,8 +8,8 @@ window, each holding :math:`n_{rm}` valid items whose mean gradient is :math:`\b
     N = \sum_r \sum_m n_{rm}, \qquad g = \frac{1}{N} \sum_r \sum_m n_{rm}\, \bar g_{rm}.
 
 With named loss parts, each part :math:`k` is a mean over its own items and the gradient is that of
-:math:`\sum_k \frac{1}{N_k} \sum_{r,m} n_{krm} \bar\ell_{krm}`: each part has a window of its own, and a part whose
-:math:`N_k` is 0 contributes nothing.
+:math:`\sum_k \frac{1}{N_k} \sum_{r,m} n_{krm} \bar\ell_{krm}`: the window holds the :math:`K` counts of each
+microbatch as one vector (:class:`Parts`), and a part whose :math:`N_k` is 0 contributes nothing.
 
 The engine's reduction divides the SUM of the ranks' gradients by :math:`D` (:math:`P`, the number of ranks, for an
 average such as DDP's; 1 for a SUM). Each microbatch's loss is multiplied by the factor :meth:`Window.factor` returns,
@@ -35,15 +35,19 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from array import array
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from functools import cache
+from functools import cache, partial
+from itertools import chain, cycle
+from typing import NamedTuple, cast
 
 import torch
 from torch import Tensor
 
-__all__ = ["Count", "Problem", "Window", "WindowResult", "Wording", "payload", "problem_error", "read_count"]
+__all__ = ["Count", "Parts", "Problem", "Slot", "Window", "WindowResult", "Wording", "payload", "problem_error"]
+__all__ += ["read_count", "valid_count", "window_result"]
 
 MAX_ITEMS = 2.0**53  # a rank's items in one window stay below it, where float64 still counts single items
 
@@ -139,8 +143,7 @@ _OWN_FIX = frozenset(Problem) - {  # a message that says what to do itself; the 
 }  # fmt: skip
 
 
-@dataclass(frozen=True)
-class Count:
+class Count(NamedTuple):
     """One microbatch's count, checked."""
 
     value: float | Tensor  # valid items (or weights' sum): a float, or a float64 0-dim tensor never read on the host
@@ -170,7 +173,7 @@ def read_count(value: object, integer: bool = False, host: bool = False) -> Coun
         if integer and value.is_floating_point():  # the first failing check wins
             problem = torch.where((problem == 0) & (tensor != tensor.floor()), float(Problem.FRACTIONAL), problem)
         return Count(tensor, problem)
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, (int, float, numbers.Real)):  # exact types before the ABC
         return Count(math.nan, Problem.NOT_A_NUMBER)
     number = float(value)
     if not math.isfinite(number):
@@ -180,6 +183,13 @@ def read_count(value: object, integer: bool = False, host: bool = False) -> Coun
     if integer and not number.is_integer():
         return Count(number, Problem.FRACTIONAL)
     return Count(number)
+
+
+def valid_count(count: Count | None) -> float | Tensor:
+    """A count's value where it is valid, else 0 (a count on a device is checked there)."""
+    if count is None or isinstance(count.problem, Problem):
+        return 0.0
+    return count.value if count.problem is None else torch.where(count.problem == 0, count.value, 0.0)
 
 
 @dataclass(frozen=True)
@@ -193,55 +203,92 @@ class WindowResult:
     parts: Mapping[str, WindowResult] = field(default_factory=dict)  # each named part's own result (empty for one loss)
 
 
+class _PartResults(Mapping[str, WindowResult]):
+    """Each named part's :class:`WindowResult`, made as it is read (a log reads it; the step itself does not)."""
+
+    def __init__(self, step: int, names: Sequence[str], *values: list[float]) -> None:
+        self._step, self._rows = step, dict(zip(names, zip(*values, strict=True), strict=True))  # items, local, mean
+
+    def __getitem__(self, name: str) -> WindowResult:
+        items, local, mean = self._rows[name]
+        return WindowResult(self._step, items, local, mean)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
 class Slot(IntEnum):
-    """The fields of one window's float64 payload (exact counts up to 2**53); those before :data:`LOCAL` are summed."""
+    """The fields of a window's float64 payload (exact counts up to 2**53): three shared, then K of each other one.
 
-    ITEMS = 0  # Σ_m n_m over this rank's window
-    NEXT = 1  # counted ahead: Σ_m n_m over this rank's next window
-    MORE = 2  # 1 if this rank holds real batches after this window
-    LOSS = 3  # Σ_m n_m · loss_m (the item sum, for a loss that is one)
-    NAN_EMPTY = 4  # 1 if a microbatch counted 0 had a non-finite loss (its backward ran through its graph)
-    INVALID = 5  # 1 if this rank found a problem
-    LOCAL = 6  # this rank's own items again, not summed: one host read brings both
+    One value per loss part of each field from ``ITEMS`` on; all but ``LOCAL`` are summed over the ranks. For one
+    part, the vector is indexed by :class:`Slot`; :func:`at` finds a field's values for ``K`` parts.
+    """
+
+    MORE = 0  # 1 if this rank holds real batches after this window
+    NAN_EMPTY = 1  # 1 if a microbatch counted 0 had a non-finite loss (its backward ran through its graph)
+    INVALID = 2  # 1 if this rank found a problem
+    ITEMS = 3  # each part's Σ_m n_m over this rank's window
+    NEXT = 4  # counted ahead: each part's Σ_m n_m over this rank's next window
+    LOSS = 5  # each part's Σ_m n_m · loss_m (the item sum, for a loss that is one)
+    LOCAL = 6  # each part's items of this rank again, not summed: one host read brings both
 
 
-SUMMED = len(Slot) - 1
+SUMMED = len(Slot) - 1  # the summed values of one part's payload
+_SHARED = Slot.ITEMS  # the fields before it hold one value whatever the number of parts
+
+
+def at(slot: Slot, parts: int = 1) -> slice:
+    """Where ``slot``'s values (one shared, else one per part) lie in the payload of a window of ``parts`` parts."""
+    shared = slot < _SHARED
+    start = slot if shared else _SHARED + (slot - _SHARED) * parts
+    return slice(start, start + (1 if shared else parts))
+
+
 _Held = tuple[Tensor, Tensor, Tensor | None, bool | None]  # a device count: n, its problem, its loss, an item sum
 
 
 class Window:
-    """One rank's account of one accumulation window (of one loss part).
+    """One rank's account of one accumulation window: one loss, or the :class:`Parts` counted ahead.
 
     Args:
         scale: counts after: :math:`c`, what each loss is divided by beside being multiplied by its count.
         total: counts ahead: the window's :math:`N` (a number, or still on the device), summed before it started.
         divisor: counts ahead: :math:`D`, what the engine's reduction divides the SUM of the gradients by.
         microbatches: counts ahead: :math:`P M`, every rank's microbatches of the window (:meth:`aux_factor`).
+        parts: the window's named loss parts, counted ahead (their counts, factors and losses, as vectors).
 
     Example (rank 1 of the worked trace, counted after)::
 
         >>> window = Window()
         >>> window.factor(window.add(Count(6.0), loss=torch.tensor(4.0)))  # its mean loss, times 6: an item sum
         6.0
-        >>> payload([window], more=False, device=torch.device("cpu")).tolist()  # ITEMS, NEXT, MORE, LOSS, ..., LOCAL
-        [6.0, 0.0, 0.0, 24.0, 0.0, 0.0, 6.0]
+        >>> payload([window], more=False, device=torch.device("cpu")).tolist()  # MORE, ..., ITEMS, NEXT, LOSS, LOCAL
+        [0.0, 0.0, 0.0, 6.0, 0.0, 24.0, 6.0]
     """
 
-    __slots__ = ("_device", "_tensors", "divisor", "items", "microbatches", "problem", "scale", "total")
+    __slots__ = ("_device", "_tensors", "divisor", "items", "microbatches", "parts", "problem", "scale", "total")
 
     def __init__(
-        self, scale: float | Tensor = 1.0, total: float | Tensor | None = None, divisor: int = 1, microbatches: int = 1
+        self,
+        scale: float | Tensor = 1.0,
+        total: float | Tensor | None = None,
+        divisor: int = 1,
+        microbatches: int = 1,
+        parts: Parts | None = None,
     ) -> None:
-        self.scale, self.total, self.divisor, self.microbatches = scale, total, divisor, microbatches
+        self.scale, self.total, self.divisor, self.microbatches, self.parts = scale, total, divisor, microbatches, parts
         self.items = 0.0  # Σ n of host counts
-        self.problem: tuple[Problem, float] | None = None  # the first problem known on the host
+        self.problem = parts.problem if parts is not None else None  # the first problem known on the host
         self._device: dict[Slot, Tensor] = {}  # fields summed on the device: Σ n·loss of host counts, NAN_EMPTY
-        self._tensors: list[_Held] = []  # a count only checked has neither loss nor item-sum flag
+        self._tensors: list[_Held] = list(parts.checks) if parts is not None else []  # a checked count: no loss
 
     @property
     def ahead(self) -> bool:
         """Whether the window's ``N`` was known before its first forward."""
-        return self.total is not None
+        return self.total is not None or self.parts is not None
 
     def add(self, count: Count, loss: Tensor | None = None, item_sum: bool = False) -> float | Tensor:
         """Records one microbatch; returns its weight, :math:`n` (1 for an item sum; ``0.0``: it contributes nothing).
@@ -321,11 +368,6 @@ class Window:
             return torch.zeros(2, dtype=torch.float64, device=device)
         return _stacked(self._tensors, self.items)[2].to(device)
 
-    def result(self, summed: Sequence[float], step: int) -> WindowResult:
-        """The window's result from its summed payload."""
-        items = summed[Slot.ITEMS]
-        return WindowResult(step, items, summed[Slot.LOCAL], summed[Slot.LOSS] / items if items > 0 else math.nan)
-
     def device_fields(self) -> dict[Slot, Tensor]:
         """The payload's fields that live on a device, in one pass over the window's device counts."""
         fields = dict(self._device)
@@ -364,48 +406,141 @@ def _stacked(tensors: list[_Held], host_items: float) -> tuple[Tensor, Tensor, T
     return n, counted, torch.stack([kind, torch.where(too_large, total, torch.where(kind > 0, value, 0.0))])
 
 
-def payload(
-    windows: Sequence[Window],
-    more: bool,
-    device: torch.device,
-    next_items: Sequence[float] = (),
-    losses: Tensor | None = None,
-) -> Tensor:
-    """This rank's payload of a window's parts, one float64 vector on ``device``; nothing read from the device.
+class Parts:
+    r"""The :math:`K` named parts of one window counted ahead, held as vectors: a fixed number of tensor operations.
 
-    Each part's fields before :data:`Slot.LOCAL` in turn, summed over the ranks, then each part's ``LOCAL``: for one
-    part, the vector is indexed by :class:`Slot`.
+    Microbatch :math:`m` backpropagates :math:`\sum_k f_{mk} \ell_{mk}`, the factors :math:`D n_{mk} / N_k` of
+    :meth:`Window.factor` made at the plan (one copy to the device per window), as are each part's items and problems
+    (a replay is planned with a count of 0); each part's :math:`\sum_m w_{mk} \ell_{mk}` is summed once per window.
 
     Args:
-        windows: each part's window.
+        counts: each part's counts of the window's microbatches.
+        totals: each part's :math:`N` (numbers, or still on the device).
+        divisor: :math:`D`, what the engine's reduction divides the SUM of the gradients by.
+        device: where the gradients live.
+    """
+
+    def __init__(
+        self, counts: Sequence[Sequence[Count]], totals: Sequence[float | Tensor], divisor: int, device: torch.device
+    ) -> None:
+        self.count = parts = len(counts)
+        flat = list(chain.from_iterable(zip(*counts, strict=True)))  # microbatch-major
+        self.microbatches = len(flat) // max(parts, 1)
+        values, problems, _ = zip(*flat, strict=True) if flat else ((), (), ())
+        valid: list[float | Tensor] = list(values)  # each count where it is valid, else 0
+        found = []  # the problems known on the host
+        if not set(problems) <= {None}:  # some count was checked on its device, or found invalid on the host
+            valid = [valid_count(count) for count in flat]
+            found = [(p, n if isinstance(n, float) else math.nan) for n, p, _ in flat if isinstance(p, Problem)]
+        self.problem: tuple[Problem, float] | None = found[0] if found else None  # the first
+        self.device_items: Tensor | None = None
+        self.checks: list[_Held] = []  # the counts on a device, checked there by the window (and TOO_LARGE)
+        if {*map(type, valid), *map(type, totals)} <= {float}:  # every count and N a number on the host
+            host, floats = cast("list[float]", valid), cast("Sequence[float]", totals)
+            weights = host + [float(v > 0) for v in host]  # of a mean, then of a sum
+            factors = [w * divisor / t if t > 0 else 0.0 for w, t in zip(weights, cycle(floats))]
+            table = host_tensor(weights + factors, device).view(2, -1, parts)
+            self.weights, self.factors = table[0], table[1]
+            self.items = [sum(host[k::parts]) for k in range(parts)]
+            if self.problem is None and max(self.items, default=0.0) >= MAX_ITEMS:
+                self.problem = (Problem.TOO_LARGE, max(self.items))
+            self._host: list[float] | None = host
+        else:
+            as_tensor = partial(torch.as_tensor, dtype=torch.float64, device=device)
+            stacked = torch.stack([as_tensor(v) for v in valid])
+            self.weights = torch.cat([stacked, (stacked > 0).double()]).view(-1, parts)
+            total = torch.stack([as_tensor(t) for t in totals])
+            self.factors = torch.where(total > 0, self.weights * divisor / total, 0.0)
+            self.items, self._host = [0.0] * parts, None
+            self.device_items = stacked.view(-1, parts).sum(0)
+            zero, most = as_tensor(0.0), self.device_items.max()
+            self.checks = [(as_tensor(n), p, None, None) for n, p, _ in flat if isinstance(p, Tensor)]
+            self.checks.append((most, torch.where(most >= MAX_ITEMS, float(Problem.TOO_LARGE), zero), None, None))
+        self.some_empty = self._host is None or min(self._host, default=1.0) <= 0
+        self._weight_rows = self.weights.unbind(0)
+        self._rows: dict[torch.dtype, Sequence[Tensor]] = {}
+        self._held: list[tuple[int, Tensor]] = []
+
+    def loss(self, window: Window, microbatch: int, item_sum: bool, losses: Tensor) -> tuple[float, Tensor]:
+        """The factor and loss microbatch ``microbatch`` backpropagates, from its stacked ``losses`` (means or sums).
+
+        ``0.0`` and ``losses`` where no part holds an item (``window`` notes whether they are finite): the engine's 0.
+        """
+        if self._host is not None and not any(self._host[microbatch * self.count : (microbatch + 1) * self.count]):
+            window.empty(losses)
+            return 0.0, losses
+        row = microbatch + (self.microbatches if item_sum else 0)
+        rows = self._rows.get(losses.dtype)
+        if rows is None:
+            rows = self._rows[losses.dtype] = self.factors.to(losses.dtype).unbind(0)
+        self._held.append((row, losses.detach()))
+        return 1.0, (losses * rows[row]).sum()
+
+    def device_fields(self, window: Window) -> dict[Slot, Tensor]:
+        """The payload's fields on a device, a vector each; a loss of weight 0 adds 0 (``window`` notes it)."""
+        fields: dict[Slot, Tensor] = {}
+        if self.device_items is not None:
+            fields[Slot.ITEMS] = fields[Slot.LOCAL] = self.device_items
+        if not self._held:
+            return fields
+        losses = torch.stack([loss for _, loss in self._held]).double()
+        weights = torch.stack([self._weight_rows[row] for row, _ in self._held])
+        if not self.some_empty:
+            fields[Slot.LOSS] = (losses * weights).sum(0)
+            return fields
+        valid = weights > 0
+        window.empty(torch.where(valid, 0.0, losses))
+        fields[Slot.LOSS] = torch.where(valid, losses * weights, 0.0).sum(0)
+        return fields
+
+
+def payload(windows: Sequence[Window], more: bool, device: torch.device, next_items: Sequence[float] = ()) -> Tensor:
+    """This rank's payload of a window, one float64 vector on ``device`` laid out by :class:`Slot`; nothing read back.
+
+    Args:
+        windows: the window; or one window of one loss per part, as the evaluation loss keeps them.
         more: whether this rank holds real batches after the window.
         device: where the gradients live.
         next_items: counted ahead: this rank's items of each part in the next window.
-        losses: each part's ``Σ_m n_m · loss_m``, kept on the device by the caller rather than by its window.
     """
-    parts = len(windows)
-    fields, positions, added = [0.0] * (parts * (SUMMED + 1)), [], []
+    parts = windows[0].parts
+    count = parts.count if parts is not None else len(windows)
+    items = parts.items if parts is not None else [w.items for w in windows]
+    invalid = any(w.problem is not None for w in windows)
+    fields = [float(more), 0.0, float(invalid), *items, *(next_items or [0.0] * count), *[0.0] * count, *items]
+    positions: list[int] = []
+    added: list[Tensor] = []
+    for slot, values in (parts.device_fields(windows[0]) if parts is not None else {}).items():
+        positions += range(len(fields))[at(slot, count)]
+        added.append(values.to(device))
+    scalars = []
     for k, window in enumerate(windows):
-        at = k * SUMMED
-        fields[at + Slot.ITEMS] = fields[parts * SUMMED + k] = window.items
-        fields[at + Slot.NEXT], fields[at + Slot.MORE] = next_items[k] if next_items else 0.0, float(more)
-        fields[at + Slot.INVALID] = float(window.problem is not None)
         for slot, value in window.device_fields().items():
-            positions.append(parts * SUMMED + k if slot == Slot.LOCAL else at + slot)
-            added.append(value.to(device))
+            positions.append(slot if slot < _SHARED else at(slot, count).start + k)
+            scalars.append(value.to(device))
+    if scalars:
+        added.append(torch.stack(scalars))
     vector = host_tensor(fields, device)
-    values = torch.stack(added) if added else None
-    if losses is not None:
-        positions += [k * SUMMED + Slot.LOSS for k in range(parts)]
-        values = losses if values is None else torch.cat([values, losses])
-    if values is not None:
-        vector.index_add_(0, _index(tuple(positions), device), values)
+    if added:
+        vector.index_add_(0, _index(tuple(positions), device), added[0] if len(added) == 1 else torch.cat(added))
     return vector
+
+
+def window_result(values: Sequence[float], step: int, names: Sequence[str] = ()) -> WindowResult:
+    """The window's result from its summed payload: of one loss, or of the parts ``names``."""
+    count = max(len(names), 1)
+    items, losses, local = (list(values[at(slot, count)]) for slot in (Slot.ITEMS, Slot.LOSS, Slot.LOCAL))
+    means = [loss / n if n > 0 else math.nan for loss, n in zip(losses, items, strict=True)]
+    if not names:
+        return WindowResult(step, items[0], local[0], means[0])
+    loss = sum(mean for mean, n in zip(means, items, strict=True) if n > 0) if max(items) > 0 else math.nan
+    return WindowResult(step, sum(items), sum(local), loss, _PartResults(step, names, items, local, means))
 
 
 def host_tensor(values: list[float], device: torch.device) -> Tensor:
     """A float64 vector of host values on ``device``, copied without the host waiting (pinned, non-blocking)."""
-    vector = torch.tensor(values, dtype=torch.float64)
+    packed = array("d", values)  # torch takes the packed doubles whole, rather than each float of a list in turn
+    vector = torch.frombuffer(packed, dtype=torch.float64) if packed else torch.zeros(0, dtype=torch.float64)
     if device.type == "cuda":
         vector = vector.pin_memory()
     return vector.to(device, non_blocking=True)

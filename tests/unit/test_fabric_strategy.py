@@ -17,6 +17,7 @@ from lightning_weighted import (
     WeightedFabricFSDPStrategy,
     WeightedFabricModelParallelStrategy,
 )
+from lightning_weighted.loop import Output, WindowLoop
 from lightning_weighted.window import FABRIC, Count, Problem, Slot, Window, payload, problem_error
 
 NAMES = {
@@ -102,3 +103,17 @@ def test_the_fabric_strategy_pickles_for_the_spawn_launcher():
 def test_fabric_backward_before_a_model_is_set_up_says_so():
     with pytest.raises(RuntimeError, match=r"fabric\.backward ran before a model was set up: call `model, optimizer"):
         WeightedFabricDDPStrategy().backward(torch.ones((), requires_grad=True), None, count=1)
+
+
+def test_a_part_handed_fewer_counts_than_another_is_refused_at_the_windows_end(one_rank):
+    class Engine:  # a SUM over this one rank
+        divisor, group, mean_sized, needs_graph = 1, None, False, False
+
+    strategy, w = WeightedFabricDDPStrategy(), torch.ones((), requires_grad=True)
+    loop = strategy._loop = WindowLoop(Engine(), torch.device("cpu"), FABRIC)  # type: ignore[arg-type]
+    strategy.count_ahead({"policy": [3, 2], "kl": [1]})  # the second microbatch's "kl" count is missing
+    for policy, kl in ((3.0, 1.0), (2.0, 0.0)):
+        loop.add(Output(None, parts={"policy": w * policy, "kl": w * kl}))
+    loop.end(True)
+    with pytest.raises(TypeError, match=r"on rank 0, a microbatch's count is not a number\. Pass each microbatch's"):
+        loop.finish(step=0)

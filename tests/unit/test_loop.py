@@ -13,7 +13,18 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_weighted.loop import Exchange, WindowLoop, read_output, terms
-from lightning_weighted.window import FABRIC, TRAINER, Count, Problem, Slot, Window, Wording, read_count
+from lightning_weighted.window import (
+    FABRIC,
+    TRAINER,
+    Count,
+    Problem,
+    Slot,
+    Window,
+    Wording,
+    at,
+    read_count,
+    window_result,
+)
 
 CPU = torch.device("cpu")
 
@@ -83,8 +94,8 @@ def test_a_healthy_window_never_gathers_the_problem_rows(one_rank, monkeypatch):
     window = Window()
     window.add(Count(2.0))
     window.add(read_count(torch.tensor(6)))
-    (summed,) = Exchange([window], True, CPU, None).read(TRAINER)
-    assert window.result(summed, step=0).items == 8.0
+    summed = Exchange([window], True, CPU, None).read(TRAINER)
+    assert window_result(summed, step=0).items == 8.0
     bad = Window()  # the control: a window with a problem does gather them, a collective every rank joins
     bad.reject(Problem.NEGATIVE, -1.0)
     with pytest.raises(AssertionError, match="a window gathered the problem rows"):
@@ -98,8 +109,9 @@ def test_the_exchange_sums_every_parts_payload_at_once_and_keeps_each_parts_loca
     exchange = Exchange([text, image], False, CPU, None, next_items=[4.0, 1.0])
     assert exchange.items().tolist() == [3.0, 2.0]  # each part's N, on the device
     summed = exchange.read(TRAINER)
-    fields = [(s[Slot.ITEMS], s[Slot.NEXT], s[Slot.MORE], s[Slot.LOSS], s[Slot.LOCAL]) for s in summed]
-    assert fields == [(3.0, 4.0, 0.0, 6.0, 3.0), (2.0, 1.0, 0.0, 3.0, 2.0)]
+    fields = [summed[at(slot, 2)] for slot in (Slot.ITEMS, Slot.NEXT, Slot.LOSS, Slot.LOCAL)]
+    assert (summed[Slot.MORE], fields) == (0.0, [[3.0, 2.0], [4.0, 1.0], [6.0, 3.0], [3.0, 2.0]])
+    assert len(summed) == 3 + 4 * 2  # three shared fields, then one value per part of each other one
 
 
 def test_the_exchange_raises_the_error_of_the_first_part_with_a_problem_in_the_callers_wording(one_rank):

@@ -21,9 +21,11 @@ from lightning_weighted.window import (
     Window,
     WindowResult,
     Wording,
+    at,
     payload,
     problem_error,
     read_count,
+    window_result,
 )
 
 CPU = torch.device("cpu")
@@ -63,7 +65,7 @@ def _summed(windows: list[Window], own: int = 0, more: Any = True, next_items: A
         for r, w in enumerate(windows)
     ]
     summed = torch.stack(payloads).sum(0).tolist()
-    return [*summed[:SUMMED], float(payloads[own][SUMMED])]
+    return [*summed[:SUMMED], float(payloads[own][Slot.LOCAL])]
 
 
 def _read(windows: list[Window], own: int = 0, wording: Wording = TRAINER, **payloads: Any) -> list[float]:
@@ -79,7 +81,7 @@ def _read(windows: list[Window], own: int = 0, wording: Wording = TRAINER, **pay
 
 def _finish(windows: list[Window], own: int = 0, step: int = 0, **payloads: Any) -> WindowResult:
     """Rank ``own``'s window result, or the error every rank raises."""
-    return windows[own].result(_read(windows, own, **payloads), step)
+    return window_result(_read(windows, own, **payloads), step)
 
 
 def _gradient(counts: list[list[float]], mean_grads: list[list[float]], ahead: bool, divisor: int) -> float:
@@ -168,7 +170,7 @@ def test_the_window_result_holds_the_global_item_mean_of_the_loss_and_the_summed
     windows[0].add(Count(2.0), loss=torch.tensor(1.0))  # Σ n·loss = 2
     windows[1].add(Count(6.0), loss=torch.tensor(3.0))  # 18
     summed = _read(windows, own=1, more=[True, False])
-    result = windows[1].result(summed, step=0)
+    result = window_result(summed, step=0)
     assert (result.items, result.local_items, result.loss, summed[Slot.MORE]) == (8.0, 6.0, 2.5, 1.0)
     assert result.parts == {}  # one unnamed loss
 
@@ -179,7 +181,7 @@ def test_an_infinite_loss_spike_leaves_the_counts_exact():
     window.add(Count(3.0), loss=torch.tensor(math.inf))
     window.add(read_count(device(2.0)), loss=torch.tensor(math.inf))
     summed = _read([window, Window()])
-    result = window.result(summed, step=0)
+    result = window_result(summed, step=0)
     assert (result.items, summed[Slot.MORE], result.loss) == (5.0, 2.0, math.inf)
     assert summed[Slot.NAN_EMPTY] == 0.0  # counted microbatches: nothing to check after the backward
 
@@ -214,7 +216,7 @@ def test_integer_counts_on_the_host_and_the_device_sum_exactly(counts):
         for k, n in enumerate(rank_counts):
             window.add(read_count(device(n)) if (rank + k) % 2 else Count(float(n)))
     summed = _read(windows, more=[r % 2 == 0 for r in range(len(windows))])
-    assert windows[0].result(summed, step=0).items == sum(map(sum, counts))
+    assert window_result(summed, step=0).items == sum(map(sum, counts))
     assert summed[Slot.MORE] == len([r for r in range(len(counts)) if r % 2 == 0])
 
 
@@ -381,8 +383,12 @@ def test_a_window_count_reaching_2_to_the_53_is_rejected_rather_than_rounded():
 
 
 def test_the_payload_has_one_named_slot_per_field_and_sums_all_but_the_local_one():
-    assert [slot.name for slot in Slot] == ["ITEMS", "NEXT", "MORE", "LOSS", "NAN_EMPTY", "INVALID", "LOCAL"]
+    assert [slot.name for slot in Slot] == ["MORE", "NAN_EMPTY", "INVALID", "ITEMS", "NEXT", "LOSS", "LOCAL"]
     assert SUMMED == Slot.LOCAL == len(Slot) - 1
+    # with K parts: the three shared fields once, then K values of each other field, LOCAL last and not summed
+    assert [at(slot, 4) for slot in Slot] == [slice(0, 1), slice(1, 2), slice(2, 3)] + [
+        slice(3 + 4 * f, 7 + 4 * f) for f in range(4)
+    ]
 
 
 def test_one_problem_on_several_ranks_is_named_and_different_ones_are_counted():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from itertools import zip_longest
 from typing import Any, Literal
 
 from lightning.fabric.strategies.parallel import ParallelStrategy
@@ -58,14 +59,14 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
 
         ``fabric.backward`` takes them in order (a ``count=`` given there must agree), a replay's counting 0.
         ``integer``: whole numbers only. A dict of named parts (``{"policy": [...], "kl": [...]}``) averages each
-        over its own ``N``.
+        over its own ``N``; a part given fewer counts than another is refused at the window's end, on every rank.
         """
         loop = self._require_loop()
         named = dict(counts) if isinstance(counts, Mapping) else {"": counts}
         loop.parts = tuple(name for name in named if name)  # the parts this window averages, each over its own N
         size = max((len(c) for c in named.values()), default=0)
         replays = self._yielded.replays(size)
-        loop.plan([[_read_ahead(c, integer, r) for c, r in zip(p, replays, strict=False)] for p in named.values()])
+        loop.plan([[_read_ahead(c, integer, bool(r)) for c, r in zip_longest(p, replays)] for p in named.values()])
         self._planned = deque(replays)
 
     def _syncs(self) -> bool:

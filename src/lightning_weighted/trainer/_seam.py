@@ -33,10 +33,10 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_weighted._compat import metric_restore, metric_snapshot
-from lightning_weighted.loop import Exchange, Output, WindowLoop, combined_result, read_output
+from lightning_weighted.loop import Exchange, Output, WindowLoop, read_output
 from lightning_weighted.monitor import loggable
 from lightning_weighted.trainer._loaders import FitLoaders
-from lightning_weighted.window import TRAINER, Count, Problem, Window, Wording
+from lightning_weighted.window import TRAINER, Count, Problem, Window, Wording, window_result
 
 EPOCH_END = "LightningModule.on_train_batch_start"
 SCHEDULERS = "LightningModule.lr_scheduler_step"
@@ -249,8 +249,7 @@ class EvaluationLoss:
         step = "validation_step" if stage == "val" else "test_step"
         wording = Wording(f"{step} returned", TRAINER.fix.replace("training_step", step))
         for index, windows in sorted(self.windows.items()):
-            summed = Exchange(windows, True, self.device, self.group).read(wording)
-            result = combined_result(0, self.parts, [w.result(s, 0) for w, s in zip(windows, summed, strict=True)])
+            result = window_result(Exchange(windows, True, self.device, self.group).read(wording), 0, self.parts)
             suffix = f"/dataloader_idx_{index}" if len(self.windows) > 1 else ""
             values = {f"{stage}/loss/{p}{suffix}": r.loss for p, r in result.parts.items()}
             values[f"{stage}/loss{suffix}"] = result.loss
