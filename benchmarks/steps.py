@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from lightning_weighted.engines.ddp import DDPEngine
 from lightning_weighted.loop import Output, WindowLoop
-from lightning_weighted.window import SUMMED, TRAINER, Count, read_count
+from lightning_weighted.window import SUMMED, TRAINER, Counts, host_items, read_count, read_counts
 
 CPU = torch.device("cpu")
 
@@ -149,26 +149,27 @@ class AheadStep(AfterStep):
     def __init__(self, model: nn.Module, world_size: int, accumulate: int, data: BatchStream) -> None:
         super().__init__(model, world_size, accumulate, data)
         self.loop = WindowLoop(self.engine, CPU, TRAINER, self.parts)
-        self.fetched: list[tuple[Batch, list[Count]]] = []  # fetched and counted ahead, not trained yet
+        self.fetched: list[tuple[Batch, Counts]] = []  # fetched and counted ahead, not trained yet
         self.totals: list[float] | None = None  # the next window's N of each part, brought by the last exchange
+        self.integers = [True] * len(self.parts or ("",))  # each part counts whole items
 
-    def fetch(self, size: int) -> list[tuple[Batch, list[Count]]]:
+    def fetch(self, size: int) -> list[tuple[Batch, Counts]]:
         """The next ``size`` batches of the stream (fewer at its end), each counted on the host once, as fetched."""
         while len(self.fetched) < size:
             batch = next(self.stream, None)
             if batch is None:
                 break
-            # counted once on the host; each part's count checked as the strategy checks what a count function gave
-            # (the parts here count the same items: a user's K count functions cost what they cost)
+            # counted once on the host; the parts' counts checked together as the strategy checks what the count
+            # functions gave (the parts here count the same items: a user's K count functions cost what they cost)
             items = batch[2].sum().item()
-            self.fetched.append((batch, [read_count(items, integer=True) for _ in self.parts or ("",)]))
+            self.fetched.append((batch, read_counts([items] * len(self.parts or ("",)), self.integers)))
         return self.fetched[:size]
 
     def step(self) -> None:
         window = self.fetch(self.accumulate)
         del self.fetched[: len(window)]
-        self.loop.plan([list(part) for part in zip(*(c for _, c in window), strict=True)], self.totals)
-        following: list[tuple[Batch, list[Count]]] = []
+        self.loop.plan([counts for _, counts in window], self.totals)
+        following: list[tuple[Batch, Counts]] = []
         next_items: list[float] = []
         for micro, (batch, _) in enumerate(window):
             with self.sync(micro):
@@ -177,8 +178,7 @@ class AheadStep(AfterStep):
                 last = micro == len(window) - 1
                 if last:  # the next window, counted ahead: its items ride this window's exchange
                     following = self.fetch(self.accumulate)
-                    parts = range(len(self.parts or ("",)))
-                    next_items = [sum(float(counts[k].value) for _, counts in following) for k in parts]
+                    next_items = host_items([counts for _, counts in following], len(self.integers))
                 self.backward(self.loop.backward_loss(loss), last, next_items)
         self.loop.finish(self.steps, True, next_items)
         self.totals = self.loop.next_totals if following else None  # the stream's end: the next plan sums anew

@@ -9,7 +9,7 @@ the one protected method overridden: ``FSDPStrategy._setup_model``, to wrap a mo
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -58,8 +58,7 @@ def set_backward_sync_control(strategy: Any, control: Any) -> None:
 
 def ddp_kwargs(strategy: Any) -> dict[str, Any]:
     """The keyword arguments a Lightning ``DDPStrategy`` passes to ``DistributedDataParallel`` (no public view)."""
-    kwargs: dict[str, Any] = strategy._ddp_kwargs
-    return kwargs
+    return cast("dict[str, Any]", strategy._ddp_kwargs)
 
 
 def parallel_sizes(strategy: Any) -> tuple[Any, Any]:
@@ -147,10 +146,8 @@ def fsdp2_param_groups(module: nn.Module) -> list[Any]:
     """An FSDP2 module's parameter groups: their parameters, policies and mesh, which no public attribute exposes."""
     state: Any = module._get_fsdp_state()  # type: ignore[operator]
     if TORCH < (2, 12):  # torch 2.9-2.11: one group per module, None without parameters
-        group = state._fsdp_param_group
-        return [] if group is None else [group]
-    groups: list[Any] = state._fsdp_param_groups  # torch 2.12 on: a list (`fully_shard` of several modules at once)
-    return groups
+        return [] if state._fsdp_param_group is None else [state._fsdp_param_group]
+    return cast("list[Any]", state._fsdp_param_groups)  # torch 2.12 on: a list (one `fully_shard` of several modules)
 
 
 def fsdp2_policies(group: Any) -> list[Any]:

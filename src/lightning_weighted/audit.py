@@ -6,6 +6,7 @@ import contextlib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -20,7 +21,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_weighted._compat import forward_redirection
-from lightning_weighted.loop import Output, read_output
+from lightning_weighted.loop import read_output
 from lightning_weighted.strategy import WeightedStrategy
 from lightning_weighted.trainer._seam import logs_ignored
 from lightning_weighted.trainer._strategy import WeightedTrainerStrategy
@@ -161,11 +162,10 @@ class ObjectiveAudit(Callback):
             f" {report.replica_error:.3g}, imbalance max_r P·n_r/N {report.imbalance:.3g} over counts"
             f" {[round(c, 6) for c in report.counts]}"
         )
-        if report.passed:
-            return
-        if self.on_mismatch == "raise":
+        if not report.passed and self.on_mismatch == "raise":
             raise ObjectiveMismatchError(_mismatch_message(report, self.rtol))
-        rank_zero_warn(_mismatch_message(report, self.rtol))
+        if not report.passed:
+            rank_zero_warn(_mismatch_message(report, self.rtol))
 
     def _audit(self, trainer: Trainer, pl_module: LightningModule, window: list[Microbatch]) -> AuditReport:
         strategy, device = trainer.strategy, pl_module.device
@@ -182,10 +182,8 @@ class ObjectiveAudit(Callback):
                 f"training_step returned an invalid count on {int(totals[-1])} rank(s) in the window audited at"
                 f" step {trainer.global_step}. {_FIX}: a finite int, float or 0-dim tensor >= 0."
             )
-        expected = torch.zeros_like(sums[0])
-        for part, total in zip(sums, totals[:-1].tolist(), strict=True):
-            if total > 0:
-                expected += part / total
+        parts = zip(sums, totals[:-1].tolist(), strict=True)
+        expected = sum((part / total for part, total in parts if total > 0), torch.zeros_like(sums[0]))
         if distributed:
             dist.all_reduce(expected)
         actual = flat(targets.values(gradients=True), params)
@@ -202,8 +200,7 @@ class ObjectiveAudit(Callback):
             dist.all_gather(gathered, local)
             rows = torch.stack(gathered)
         counts = tuple(float(count) for count in rows[:, 0].tolist())
-        objective_error = float(rows[:, 5].max())  # NaN if any rank's is NaN
-        replica_error = spread(rows[:, 1:5])
+        objective_error, replica_error = float(rows[:, 5].max()), spread(rows[:, 1:5])  # the first NaN if a rank's is
         norm, expected_norm = (float(value) for value in rows[0, 6:8])
         passed = objective_error <= self.rtol and replica_error <= self.rtol  # False for NaN
         skew, step = imbalance(max(counts), sum(counts), len(counts)), trainer.global_step
@@ -251,8 +248,8 @@ def local_sums(
     """Re-runs the window; returns each part's ``Σ_m n_m · ḡ_m`` over ``params``, its ``Σ_m n_m``, 1.0 if invalid."""
     strategy = trainer.strategy
     sharded = isinstance(strategy, (ModelParallelStrategy, FSDPStrategy))  # every rank joins each backward's gathers
-    counter = strategy.item_counter if isinstance(strategy, WeightedTrainerStrategy) else None
-    names = counter.names if counter else ()
+    weighted = strategy if isinstance(strategy, WeightedTrainerStrategy) else None
+    names = weighted.item_counter.names if weighted and weighted.item_counter else ()
     size = sum(param.numel() for param in params)
     sums = [torch.zeros(size, dtype=torch.float64, device=pl_module.device) for _ in names or ("",)]
     items, invalid = [0.0] * len(sums), 0.0
@@ -276,7 +273,10 @@ def local_sums(
             losses = [step.parts.get(name) if step.parts else None for name in names] if names else [step.loss]
             if any(loss is None or loss.grad_fn is None for loss in losses):
                 continue  # Lightning skips a `None` step; a loss without a graph fails its own backward
-            counted = _counts(trainer, step, microbatch.batch)  # read on the host, as training never does
+            if weighted is not None:  # the strategy's count rule, read on the host, as training never does
+                counted = weighted.counts_of(step, microbatch.batch)
+            else:  # a plain one's: a returned count, else the batch size
+                counted = [step.count if step.count is not None else Count(float(extract_batch_size(microbatch.batch)))]
             bad = step.problem is not None or any(c.problem is not None and float(c.problem) != 0 for c in counted)
             invalid = 1.0 if bad else invalid
             for k, (loss, count) in enumerate(zip(losses, counted, strict=True)):
@@ -293,14 +293,6 @@ def local_sums(
         for buffer, saved in buffers:
             buffer.copy_(saved)
     return sums, items, invalid
-
-
-def _counts(trainer: Trainer, step: Output, batch: Any) -> list[Count]:
-    """The training count rule of the strategy (a plain one: a returned count, else the batch size)."""
-    strategy = trainer.strategy
-    if isinstance(strategy, WeightedTrainerStrategy):
-        return strategy.counts_of(step, batch)
-    return [step.count if step.count is not None else Count(float(extract_batch_size(batch)))]
 
 
 def flat(tensors: Sequence[Tensor | None], like: Sequence[Tensor]) -> Tensor:
@@ -327,26 +319,20 @@ class Targets:
     def __init__(self, module: nn.Module, root: nn.Module | None = None) -> None:
         self.root = root
         self.owners: list[tuple[nn.Module, str]] = []
-        seen: set[int] = set()
-        for owner in module.modules():
-            for name, param in owner.named_parameters(recurse=False):
-                if param.requires_grad and id(param) not in seen:
-                    seen.add(id(param))
-                    self.owners.append((owner, name))
+        for path, param in module.named_parameters():  # each parameter once, as its first owner holds it
+            if param.requires_grad:
+                prefix, _, name = path.rpartition(".")
+                self.owners.append((module.get_submodule(prefix), name))
 
     @contextlib.contextmanager
     def used(self) -> Iterator[list[Tensor]]:
         """The tensor each parameter's module computed with in the block's forward: under FSDP, the whole parameter."""
         tensors: list[Tensor] = [getattr(owner, name) for owner, name in self.owners]
-        slots: dict[nn.Module, list[tuple[int, str]]] = {}
-        for index, (owner, name) in enumerate(self.owners):
-            slots.setdefault(owner, []).append((index, name))
 
-        def record(owner: nn.Module, args: Any) -> None:
-            for index, name in slots[owner]:
-                tensors[index] = getattr(owner, name)
+        def record(index: int, owner: nn.Module, args: Any) -> None:
+            tensors[index] = getattr(owner, self.owners[index][1])
 
-        hooks = [owner.register_forward_pre_hook(record) for owner in slots]
+        hooks = [owner.register_forward_pre_hook(partial(record, i)) for i, (owner, _) in enumerate(self.owners)]
         try:
             yield tensors
         finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from operator import attrgetter
 from typing import Any, Literal
 
 import torch  # noqa: F401  (the examples in the docstrings build their batches with it)
@@ -12,7 +13,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_weighted.strategy import weighted
-from lightning_weighted.window import Count, read_count
+from lightning_weighted.window import Counts, read_counts
 
 __all__ = ["ItemCounter", "count_documents", "count_examples", "count_tokens", "count_weights"]
 
@@ -93,8 +94,8 @@ class ItemCounter(Callback):
         >>> batch = {"labels": torch.tensor([[5, 7, 9], [5, 6, -100]]), "image_mask": torch.tensor([[1, 1, 0]])}
         >>> image = lambda batch: batch["image_mask"].sum()
         >>> parts = ItemCounter(parts={"text": ItemCounter("tokens", key="labels"), "image": image})
-        >>> [float(c.value) for c in parts.counts(batch)]
-        [5.0, 2.0]
+        >>> parts.counts(batch, host=True).values
+        (5.0, 2.0)
     """
 
     def __init__(
@@ -138,14 +139,15 @@ class ItemCounter(Callback):
             return count_weights(batch, self.key)
         return count_tokens(batch, self.key, ignore_index=self.ignore_index, mask=self.mask, shift=self.shift)
 
-    def counts(self, batch: Any, host: bool = False, combined: bool = False) -> list[Count]:
-        """Each part's count of the microbatch ``batch``, checked (one, without parts).
+    def counts(self, batch: Any, host: bool = False, combined: bool = False) -> Counts:
+        """Each part's count of the microbatch ``batch``, checked together (one, without parts).
 
         ``host``: read the counts on the host (a batch the loader yielded, before it moves). ``combined``: the batch
         combines several loaders' batches, each counted by a preset.
         """
         counters = list(self.parts.values()) or [self]
-        return [read_count(c._combined(batch) if combined else c.count_of(batch), c.integer, host) for c in counters]
+        values = [c._combined(batch) if combined else c.count_of(batch) for c in counters]
+        return read_counts(values, list(map(attrgetter("integer"), counters)), host)
 
     def _combined(self, batch: Any) -> int | float | Tensor:
         if callable(self.count):

@@ -19,6 +19,7 @@ from lightning_weighted._compat import multiply
 from lightning_weighted.engines import Engine
 from lightning_weighted.window import (
     Count,
+    Counts,
     Parts,
     Problem,
     Slot,
@@ -26,6 +27,8 @@ from lightning_weighted.window import (
     WindowResult,
     Wording,
     at,
+    host_items,
+    host_tensor,
     payload,
     problem_error,
     read_count,
@@ -131,7 +134,7 @@ class WindowLoop:
         self.ranks_with_more = 0  # from the last exchange: how many ranks hold real batches after its window
         self.next_totals: list[float] = []  # counted ahead: each part's N of the next window, from the last exchange
         self._window: Window | None = None
-        self._planned: deque[tuple[Count, ...]] = deque()  # each microbatch's planned counts, one per part, in order
+        self._planned: deque[Counts] = deque()  # each microbatch's planned counts, one per part, in order
         self._exchange: Exchange | None = None
         self._backward = False  # the window ran a backward
         self._loss: tuple[float | Tensor, Tensor | None, Tensor | None] = (0.0, None, None)  # factor, parts, aux
@@ -142,21 +145,22 @@ class WindowLoop:
         """Whether a window has microbatches that no exchange has ended yet."""
         return self._window is not None
 
-    def plan(
-        self, counts: Sequence[Sequence[Count]], totals: Sequence[float | Tensor] | None = None
-    ) -> Sequence[float | Tensor]:
-        """Counts the next window ahead: each part's counts and N (``totals``, else one SUM now); returns the N."""
+    def plan(self, rows: Sequence[Counts], totals: Sequence[float | Tensor] | None = None) -> Sequence[float | Tensor]:
+        """Counts the next window ahead: each microbatch's counts and each part's N (``totals``, else one SUM now).
+
+        Returns the N.
+        """
         if self._window is not None:
             raise RuntimeError("a window's counts were handed over while a window is open: once per window, first")
         if totals is None:
-            totals = list(summed_counts(counts, self.device, self.engine.group))
-        divisor, size = self.engine.divisor, self.ranks * max(map(len, counts), default=0)  # P M
-        parts = Parts(counts, totals, divisor, self.device) if self.parts else None
+            totals = list(summed_counts(rows, len(self.parts) or 1, self.device, self.engine.group))
+        divisor, size = self.engine.divisor, self.ranks * len(rows)  # P M
+        parts = Parts(rows, totals, divisor, self.device) if self.parts else None
         self._window = Window(total=None if parts else totals[0], divisor=divisor, microbatches=size, parts=parts)
-        self._planned = deque(zip(*counts, strict=True))
+        self._planned = deque(rows)
         return totals
 
-    def add(self, output: Output, replay: bool = False, recount: Sequence[Count] = ()) -> None:
+    def add(self, output: Output, replay: bool = False, recount: Counts | None = None) -> None:
         """Records one microbatch: its loss factor, or its problem, in the window.
 
         Args:
@@ -169,13 +173,13 @@ class WindowLoop:
         planned = self._planned.popleft() if self._planned else None
         losses = list(map((output.parts or {}).get, self.parts)) if self.parts else [output.loss]
         problem = None if replay else _problem(output, losses, frozenset(self.parts), planned is not None)
-        counts = planned or ((output.count,) if output.count is not None else ())
+        count = planned.part(0) if planned is not None and not self.parts else output.count
         if planned is not None and problem is None and not replay:  # a count given, or counted again, must agree
             if output.count is not None:
-                window.check(output.count, planned[0])
-            for again, count in zip(recount, planned, strict=False):
-                window.check(again, count, Problem.CHANGED)
-        if replay or problem is not None or not counts:
+                window.check(output.count, planned.part(0))
+            for again, planned_count in zip(recount.each() if recount else (), planned.each(), strict=False):
+                window.check(again, planned_count, Problem.CHANGED)
+        if replay or problem is not None or (count is None and planned is None):
             if not replay:
                 window.reject(problem or Problem.MISSING)
             graph = _total(losses) if self.parts else losses[0]
@@ -184,7 +188,7 @@ class WindowLoop:
             self._loss = (0.0, graph if self.parts else None, None)
             return
         parts = window.parts
-        weight = window.add(counts[0], losses[0], output.item_sum) if parts is None else 0.0
+        weight = window.add(count, losses[0], output.item_sum) if parts is None and count is not None else 0.0
         share = window.aux_factor()
         if output.aux and share is None:
             window.reject(Problem.AUX_AFTER)
@@ -289,12 +293,13 @@ def _total(tensors: Iterable[Tensor | None]) -> Tensor | None:
     return torch.stack([t.reshape(()) for t in present]).sum() if present else None
 
 
-def summed_counts(counts: Sequence[Sequence[Count]], device: torch.device, group: dist.ProcessGroup | None) -> Tensor:
-    """Each part's SUM over ``group`` of every rank's valid ``counts``, left on the device (one all-reduce)."""
-    total = torch.zeros(max(len(counts), 1), dtype=torch.float64, device=device)
-    for k, part in enumerate(counts):
-        for count in part:
-            total[k] += valid_count(count)  # an invalid one's problem is reported at the window's end
+def summed_counts(rows: Sequence[Counts], parts: int, device: torch.device, group: dist.ProcessGroup | None) -> Tensor:
+    """Each part's SUM over ``group`` of every rank's valid counts, left on the device (one all-reduce)."""
+    total = host_tensor(host_items(rows, parts), device)
+    for row in rows:
+        for k, count in enumerate(row.each() if row.problems is not None else ()):
+            if isinstance(count.value, Tensor) or isinstance(count.problem, Tensor):  # checked on its device
+                total[k] += valid_count(count)  # an invalid one's problem is reported at the window's end
     dist.all_reduce(total, group=group)
     return total
 

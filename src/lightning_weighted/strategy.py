@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch.distributed as dist
 
-from lightning_weighted._compat import flatten_mesh, parallel_sizes, set_parallel_sizes
+from lightning_weighted._compat import StrategyRegistry, flatten_mesh, parallel_sizes, register, set_parallel_sizes
 from lightning_weighted.loaders.sampler import marked
 from lightning_weighted.loop import WindowLoop
 from lightning_weighted.window import WindowResult
@@ -19,6 +19,13 @@ class WeightedStrategy:
     """The mixin of every weighted strategy, Trainer and Fabric alike: what it tells of its loop of windows."""
 
     _loop: WindowLoop | None
+    _registered: tuple[str, Sequence[tuple[str, dict[str, Any]]]]  # the description; each name, its keyword arguments
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
+        """Registers the strategy under each of its names, as Lightning registers ``"ddp"``'s variants."""
+        description, names = cls._registered
+        register(strategy_registry, cls, description, *names)
 
     @property
     def padding_step(self) -> bool:
@@ -68,8 +75,7 @@ def data_parallel_group(mesh: Any, dims: str | Sequence[str] = "data_parallel") 
     """The process group of a device mesh's data-parallel ``dims``: one, or several flattened (HSDP's two)."""
     names = (dims,) if isinstance(dims, str) else tuple(dims)
     submesh = mesh[names[0]] if len(names) == 1 else flatten_mesh(mesh, names)
-    group: dist.ProcessGroup = submesh.get_group()
-    return group
+    return cast("dist.ProcessGroup", submesh.get_group())
 
 
 def every_rank_data_parallel(strategy: Any) -> None:

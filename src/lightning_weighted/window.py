@@ -40,14 +40,15 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import cache, partial
-from itertools import chain, cycle
+from itertools import chain, compress, cycle, repeat
+from operator import attrgetter, mul, truediv
 from typing import NamedTuple, cast
 
 import torch
 from torch import Tensor
 
-__all__ = ["Count", "Parts", "Problem", "Slot", "Window", "WindowResult", "Wording", "payload", "problem_error"]
-__all__ += ["read_count", "valid_count", "window_result"]
+__all__ = ["Count", "Counts", "Parts", "Problem", "Slot", "Window", "WindowResult", "Wording", "host_items", "payload"]
+__all__ += ["problem_error", "read_count", "read_counts", "valid_count", "window_result"]
 
 MAX_ITEMS = 2.0**53  # a rank's items in one window stay below it, where float64 still counts single items
 
@@ -192,6 +193,53 @@ def valid_count(count: Count | None) -> float | Tensor:
     return count.value if count.problem is None else torch.where(count.problem == 0, count.value, 0.0)
 
 
+class Counts(NamedTuple):
+    """One microbatch's count of each loss part (one count, for one loss), checked together as it is taken."""
+
+    values: tuple[float | Tensor, ...]  # as each part's :class:`Count` holds it
+    problems: tuple[Problem | Tensor | None, ...] | None = None  # ``None``: every count a valid number on the host
+
+    def part(self, k: int) -> Count:
+        """Part ``k``'s count."""
+        return Count(self.values[k], None if self.problems is None else self.problems[k])
+
+    def each(self) -> list[Count]:
+        """Every part's count."""
+        return list(map(Count, self.values, self.problems or repeat(None)))
+
+
+_NUMBERS, _INT = frozenset((int, float)), frozenset((int,))  # exactly: a bool is not a count
+
+
+def read_counts(values: Sequence[object], integer: Sequence[bool], host: bool = False) -> Counts:
+    """Checks one microbatch's count of each part: valid numbers in one pass, else each as :func:`read_count` does.
+
+    Args:
+        values: each part's count: an int, a float or a one-element tensor.
+        integer: whether each part's count must be a whole number.
+        host: read the tensors on the host (a batch counted before it moves to the device).
+    """
+    if host:
+        values = [v.item() if isinstance(v, Tensor) and v.numel() == 1 else v for v in values]
+    types = set(map(type, values))
+    if types <= _NUMBERS:
+        floats = tuple(map(float, cast("Sequence[float]", values)))
+        whole = types == _INT or all(map(float.is_integer, compress(floats, integer)))
+        if math.isfinite(sum(floats)) and min(floats, default=0.0) >= 0 and whole:  # a finite sum: no NaN, no inf
+            return Counts(floats)
+    each = list(map(read_count, values, integer, repeat(host)))
+    problems = tuple(map(attrgetter("problem"), each))
+    return Counts(tuple(map(attrgetter("value"), each)), problems if any(p is not None for p in problems) else None)
+
+
+def host_items(rows: Sequence[Counts], parts: int = 1) -> list[float]:
+    """Each part's sum of the ``rows``' valid counts on the host (a count on a device, or invalid, adds 0 here)."""
+    if any(map(attrgetter("problems"), rows)):
+        rows = [Counts(tuple(v if isinstance(v, float) else 0.0 for v in map(valid_count, row.each()))) for row in rows]
+    columns = zip(*map(attrgetter("values"), rows), strict=True)  # part by part
+    return cast("list[float]", list(map(sum, columns))) or [0.0] * parts
+
+
 @dataclass(frozen=True)
 class WindowResult:
     """What one optimizer step's window summed to, the same on every rank except ``local_items``."""
@@ -206,18 +254,20 @@ class WindowResult:
 class _PartResults(Mapping[str, WindowResult]):
     """Each named part's :class:`WindowResult`, made as it is read (a log reads it; the step itself does not)."""
 
-    def __init__(self, step: int, names: Sequence[str], *values: list[float]) -> None:
-        self._step, self._rows = step, dict(zip(names, zip(*values, strict=True), strict=True))  # items, local, mean
+    def __init__(self, step: int, names: Sequence[str], *values: Sequence[float]) -> None:
+        self._step, self._names, self._values = step, names, values  # each part's items, local items and mean
 
     def __getitem__(self, name: str) -> WindowResult:
-        items, local, mean = self._rows[name]
+        if name not in self._names:
+            raise KeyError(name)
+        items, local, mean = (values[self._names.index(name)] for values in self._values)
         return WindowResult(self._step, items, local, mean)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._rows)
+        return iter(self._names)
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self._names)
 
 
 class Slot(IntEnum):
@@ -414,35 +464,38 @@ class Parts:
     (a replay is planned with a count of 0); each part's :math:`\sum_m w_{mk} \ell_{mk}` is summed once per window.
 
     Args:
-        counts: each part's counts of the window's microbatches.
+        rows: each microbatch's counts, one per part.
         totals: each part's :math:`N` (numbers, or still on the device).
         divisor: :math:`D`, what the engine's reduction divides the SUM of the gradients by.
         device: where the gradients live.
     """
 
     def __init__(
-        self, counts: Sequence[Sequence[Count]], totals: Sequence[float | Tensor], divisor: int, device: torch.device
+        self, rows: Sequence[Counts], totals: Sequence[float | Tensor], divisor: int, device: torch.device
     ) -> None:
-        self.count = parts = len(counts)
-        flat = list(chain.from_iterable(zip(*counts, strict=True)))  # microbatch-major
-        self.microbatches = len(flat) // max(parts, 1)
-        values, problems, _ = zip(*flat, strict=True) if flat else ((), (), ())
-        valid: list[float | Tensor] = list(values)  # each count where it is valid, else 0
-        found = []  # the problems known on the host
-        if not set(problems) <= {None}:  # some count was checked on its device, or found invalid on the host
-            valid = [valid_count(count) for count in flat]
+        self.count = parts = len(totals)
+        self.microbatches = len(rows)
+        self.problem: tuple[Problem, float] | None = None  # the first problem known on the host
+        valid: list[float | Tensor] = list(chain.from_iterable(map(attrgetter("values"), rows)))  # microbatch-major
+        flat: list[Count] = []
+        if any(map(attrgetter("problems"), rows)):  # some count was checked on its device, or found invalid
+            flat = list(chain.from_iterable(map(Counts.each, rows)))
+            valid = list(map(valid_count, flat))
             found = [(p, n if isinstance(n, float) else math.nan) for n, p, _ in flat if isinstance(p, Problem)]
-        self.problem: tuple[Problem, float] | None = found[0] if found else None  # the first
+            self.problem = found[0] if found else None
         self.device_items: Tensor | None = None
         self.checks: list[_Held] = []  # the counts on a device, checked there by the window (and TOO_LARGE)
-        if {*map(type, valid), *map(type, totals)} <= {float}:  # every count and N a number on the host
+        if set(map(type, totals)) <= {float} and (not flat or set(map(type, valid)) <= {float}):  # all on the host
             host, floats = cast("list[float]", valid), cast("Sequence[float]", totals)
-            weights = host + [float(v > 0) for v in host]  # of a mean, then of a sum
-            factors = [w * divisor / t if t > 0 else 0.0 for w, t in zip(weights, cycle(floats))]
+            weights = host + list(map(float, map(bool, host)))  # of a mean, then of a sum (a valid count is >= 0)
+            if min(floats, default=0.0) > 0:
+                factors = list(map(truediv, map(mul, weights, repeat(float(divisor))), cycle(floats)))
+            else:
+                factors = [w * divisor / t if t > 0 else 0.0 for w, t in zip(weights, cycle(floats))]
             table = host_tensor(weights + factors, device).view(2, -1, parts)
             self.weights, self.factors = table[0], table[1]
-            self.items = [sum(host[k::parts]) for k in range(parts)]
-            if self.problem is None and max(self.items, default=0.0) >= MAX_ITEMS:
+            self.items = host_items(rows, parts)
+            if self.problem is None and max(self.items) >= MAX_ITEMS:
                 self.problem = (Problem.TOO_LARGE, max(self.items))
             self._host: list[float] | None = host
         else:
@@ -508,32 +561,35 @@ def payload(windows: Sequence[Window], more: bool, device: torch.device, next_it
     items = parts.items if parts is not None else [w.items for w in windows]
     invalid = any(w.problem is not None for w in windows)
     fields = [float(more), 0.0, float(invalid), *items, *(next_items or [0.0] * count), *[0.0] * count, *items]
-    positions: list[int] = []
+    layout: list[tuple[Slot, int]] = []  # each device value's field, and its window (-1: every part's values)
     added: list[Tensor] = []
     for slot, values in (parts.device_fields(windows[0]) if parts is not None else {}).items():
-        positions += range(len(fields))[at(slot, count)]
+        layout.append((slot, -1))
         added.append(values.to(device))
     scalars = []
     for k, window in enumerate(windows):
         for slot, value in window.device_fields().items():
-            positions.append(slot if slot < _SHARED else at(slot, count).start + k)
+            layout.append((slot, k))
             scalars.append(value.to(device))
     if scalars:
         added.append(torch.stack(scalars))
     vector = host_tensor(fields, device)
     if added:
-        vector.index_add_(0, _index(tuple(positions), device), added[0] if len(added) == 1 else torch.cat(added))
+        vector.index_add_(0, _index(tuple(layout), count, device), added[0] if len(added) == 1 else torch.cat(added))
     return vector
 
 
 def window_result(values: Sequence[float], step: int, names: Sequence[str] = ()) -> WindowResult:
     """The window's result from its summed payload: of one loss, or of the parts ``names``."""
     count = max(len(names), 1)
-    items, losses, local = (list(values[at(slot, count)]) for slot in (Slot.ITEMS, Slot.LOSS, Slot.LOCAL))
-    means = [loss / n if n > 0 else math.nan for loss, n in zip(losses, items, strict=True)]
+    items, losses, local = (values[at(slot, count)] for slot in (Slot.ITEMS, Slot.LOSS, Slot.LOCAL))
+    if min(items) > 0:
+        means: Sequence[float] = list(map(truediv, losses, items))
+    else:
+        means = [loss / n if n > 0 else math.nan for loss, n in zip(losses, items, strict=True)]
     if not names:
         return WindowResult(step, items[0], local[0], means[0])
-    loss = sum(mean for mean, n in zip(means, items, strict=True) if n > 0) if max(items) > 0 else math.nan
+    loss = sum(compress(means, items)) if any(items) else math.nan  # the means of the parts that hold items
     return WindowResult(step, sum(items), sum(local), loss, _PartResults(step, names, items, local, means))
 
 
@@ -547,8 +603,12 @@ def host_tensor(values: list[float], device: torch.device) -> Tensor:
 
 
 @cache
-def _index(positions: tuple[int, ...], device: torch.device) -> Tensor:
-    """The payload ``positions`` as an index on ``device``, made once per layout (no copy to the device per window)."""
+def _index(layout: tuple[tuple[Slot, int], ...], count: int, device: torch.device) -> Tensor:
+    """Where a payload's device values go, on ``device``, made once per layout (no copy to the device per window)."""
+    positions: list[int] = []
+    for slot, k in layout:
+        where = at(slot, count)
+        positions += range(where.start, where.stop) if k < 0 else [where.start + (k if slot >= _SHARED else 0)]
     return torch.tensor(positions, device=device)
 
 

@@ -15,7 +15,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_weighted import ItemCounter, ItemMetrics, ItemMonitor, WindowResult, count_documents, count_tokens
 from lightning_weighted.strategy import WeightedStrategy
-from lightning_weighted.window import Count, Problem, read_count
+from lightning_weighted.window import Count, Counts, Problem, read_count
 
 LABELS = torch.tensor(
     [
@@ -255,15 +255,15 @@ def test_an_item_counter_of_loss_parts_counts_each_part_its_own_way_on_the_host_
         }
     )
     assert counter.names == ("text", "image", "rows")
-    assert counter.counts(batch, host=True) == [Count(4.0), Count(3.0), Count(3.0)]  # read before it moves
-    on_device = counter.counts(batch)
+    assert counter.counts(batch, host=True) == Counts((4.0, 3.0, 3.0))  # read before it moves, checked together
+    on_device = counter.counts(batch).each()
     assert [isinstance(c.value, torch.Tensor) for c in on_device] == [True, True, False]  # examples: a host int
     assert [float(c.value) for c in on_device] == [4.0, 3.0, 3.0]
     assert [float(c.problem) if c.problem is not None else 0.0 for c in on_device] == [0.0, 0.0, 0.0]
     assert [c.integer for c in counter.parts.values()] == [True, False, True]  # each part keeps its own rule
     fractional = ItemCounter(parts={"weights": ItemCounter(lambda batch: 2.5, integer=True)})
-    assert fractional.counts(batch, host=True) == [Count(2.5, Problem.FRACTIONAL)]
-    assert ItemCounter("examples").counts(batch, host=True) == [Count(3.0)]  # no parts: one count
+    assert fractional.counts(batch, host=True).each() == [Count(2.5, Problem.FRACTIONAL)]
+    assert ItemCounter("examples").counts(batch, host=True) == Counts((3.0,))  # no parts: one count
 
 
 @pytest.mark.parametrize("parts", [{}, [("text", "examples")], "examples"])
@@ -274,15 +274,15 @@ def test_loss_parts_must_be_a_dict_of_named_counters(parts):
 
 def test_a_preset_counts_a_combined_batch_over_each_loaders_part_and_a_function_gets_the_whole_batch():
     combined = {"a": torch.zeros(2, 3), "b": torch.zeros(3, 3)}  # a CombinedLoader's batch of two loaders
-    assert ItemCounter("examples").counts(combined, host=True, combined=True) == [Count(5.0)]
-    assert ItemCounter("examples").counts([torch.zeros(2), None, torch.zeros(4)], combined=True) == [Count(6.0)]
+    assert ItemCounter("examples").counts(combined, host=True, combined=True) == Counts((5.0,))
+    assert ItemCounter("examples").counts([torch.zeros(2), None, torch.zeros(4)], combined=True) == Counts((6.0,))
     tokens = ItemCounter("tokens", key="labels", shift=True)  # None: a loader out of batches in "max_size"
-    assert tokens.counts({"x": {"labels": LABELS}, "y": {"labels": LABELS[:2]}}, host=True, combined=True) == [
-        Count(8.0)
-    ]
-    assert ItemCounter(lambda batch: len(batch)).counts(combined, combined=True) == [Count(2.0)]  # the whole batch
+    assert tokens.counts({"x": {"labels": LABELS}, "y": {"labels": LABELS[:2]}}, host=True, combined=True) == Counts(
+        (8.0,)
+    )
+    assert ItemCounter(lambda batch: len(batch)).counts(combined, combined=True) == Counts((2.0,))  # the whole batch
     parts = ItemCounter(parts={"rows": "examples", "loaders": lambda batch: len(batch)})
-    assert parts.counts(combined, combined=True) == [Count(5.0), Count(2.0)]
+    assert parts.counts(combined, combined=True) == Counts((5.0, 2.0))
 
 
 def test_a_packed_batch_counts_the_tokens_and_documents_of_its_padded_twin():

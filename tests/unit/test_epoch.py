@@ -11,14 +11,14 @@ from torch.utils.data import DataLoader
 from lightning_weighted.loaders import EpochBatches, Participation, participating
 from lightning_weighted.loaders.epoch import combined_lengths, combined_message, lengths_of
 from lightning_weighted.loaders.extension import extension, restore
-from lightning_weighted.window import Count
+from lightning_weighted.window import Counts
 
 CPU = torch.device("cpu")
 
 
-def _lengths(batch: str) -> list[Count]:
+def _lengths(batch: str) -> Counts:
     """Counts a batch ahead: its one part's count, the batch's length."""
-    return [Count(float(len(batch)))]
+    return Counts((float(len(batch)),))
 
 
 class Consumed:
@@ -68,9 +68,9 @@ def test_a_short_rank_replays_its_last_real_batch_counted_zero_until_the_longest
     stage = EpochBatches(participation, longest=4, local=2, device=CPU)
     stage.count = _lengths
     batches = stage.iterate(iter(["aa", "bbb"]))
-    assert stage.take(2) == [[Count(2.0)], [Count(3.0)]]  # the first window's, fetched before its first forward
-    assert stage.peek(2) == [[Count(0.0)], [Count(0.0)]]  # the next window's: replays, counted 0
-    assert stage.take(2) == [[Count(0.0)], [Count(0.0)]]
+    assert stage.take(2) == [Counts((2.0,)), Counts((3.0,))]  # the first window's, fetched before its first forward
+    assert stage.peek(2) == [Counts((0.0,)), Counts((0.0,))]  # the next window's: replays, counted 0
+    assert stage.take(2) == [Counts((0.0,)), Counts((0.0,))]
     handed = [(batch, stage.position, participation.replay(stage.position - 1)) for batch in batches]
     assert handed == [("aa", 1, False), ("bbb", 2, False), ("bbb", 3, True), ("bbb", 4, True)]
     assert (participation.real, stage.start, stage.passes) == (2, 0, 1)
@@ -106,7 +106,7 @@ def test_a_pass_resumed_mid_epoch_skips_the_batches_a_loader_without_state_yield
     stage.resume(2, 3)  # 2 batches trained; 3 real ones on this rank
     handed = stage.iterate(batches())
     assert (stage.start, stage.position) == (2, 2)
-    assert stage.take(2) == [[Count(3.0)], [Count(0.0)]]  # its third batch, then a replay
+    assert stage.take(2) == [Counts((3.0,)), Counts((0.0,))]  # its third batch, then a replay
     assert fetched == ["a", "bb", "ccc"]  # the two trained ones were read and skipped
     assert [(batch, stage.position, participation.replay(stage.position - 1)) for batch in handed] == [
         ("ccc", 3, False),

@@ -17,12 +17,14 @@ from lightning_weighted.window import (
     FABRIC,
     TRAINER,
     Count,
+    Counts,
     Problem,
     Slot,
     Window,
     Wording,
     at,
     read_count,
+    read_counts,
     window_result,
 )
 
@@ -153,19 +155,19 @@ def test_a_window_counted_ahead_trains_the_item_mean_and_a_batch_changed_on_its_
     w = nn.Parameter(torch.tensor(10.0))
     wording = Wording(TRAINER.source, TRAINER.fix, "`on_after_batch_transfer`")
     loop = WindowLoop(_Engine(w), CPU, wording)
-    loop.plan([[Count(2.0), Count(6.0)]])  # the worked trace's two microbatches, on one rank
+    loop.plan([Counts((2.0,)), Counts((6.0,))])  # the worked trace's two microbatches, on one rank
     for targets in ([9.0] * 2, [7.0] * 6):
         loss = _mean(w, targets)
-        loop.add(read_output(loss), recount=[read_count(torch.tensor(len(targets)))])  # counted again: agrees
+        loop.add(read_output(loss), recount=read_counts([torch.tensor(len(targets))], [True]))  # counted again
         loop.backward_loss(loss).backward()
     result = loop.finish(step=0)
     assert float(w.grad) == pytest.approx(2.5, abs=1e-12)  # (2 · 1 + 6 · 3) / 8
     assert (result.items, result.local_items, result.loss) == (8.0, 8.0, pytest.approx((2 * 0.5 + 6 * 4.5) / 8))
 
     w.grad = None
-    loop.plan([[Count(2.0)]])
+    loop.plan([Counts((2.0,))])
     loss = _mean(w, [9.0, 9.0, 9.0])  # a transfer hook added a row: the step received 3 where 2 were counted
-    loop.add(read_output(loss), recount=[read_count(torch.tensor(3))])
+    loop.add(read_output(loss), recount=read_counts([torch.tensor(3)], [True]))
     loop.backward_loss(loss).backward()
     match = (
         r"on rank 0, the batch training_step received holds 3 items where ItemCounter counted another number in the"
@@ -178,7 +180,7 @@ def test_a_window_counted_ahead_trains_the_item_mean_and_a_batch_changed_on_its_
 def test_a_count_returned_beside_the_plan_must_agree_with_it(one_rank):
     w = nn.Parameter(torch.tensor(10.0))
     loop = WindowLoop(_Engine(w), CPU, TRAINER)
-    loop.plan([[Count(2.0)]])
+    loop.plan([Counts((2.0,))])
     loss = _mean(w, [9.0, 9.0])
     loop.add(read_output({"loss": loss, "count": 3}))
     loop.backward_loss(loss).backward()
@@ -189,7 +191,7 @@ def test_a_count_returned_beside_the_plan_must_agree_with_it(one_rank):
 def test_each_loss_part_is_averaged_over_its_own_count_and_the_result_holds_each_parts_mean(one_rank):
     w = nn.Parameter(torch.tensor(1.0))
     loop = WindowLoop(_Engine(w), CPU, TRAINER, parts=("text", "image"))
-    loop.plan([[Count(3.0), Count(1.0)], [Count(0.0), Count(2.0)]])  # each part's counts of the two microbatches
+    loop.plan([Counts((3.0, 0.0)), Counts((1.0, 2.0))])  # each microbatch's counts of the two parts
     for text, image in ((2.0, 5.0), (4.0, 1.0)):  # each part's mean loss at w = 1 (and its gradient)
         parts = {"text": w * text, "image": w * image}
         loop.add(read_output({"loss": parts["text"] + parts["image"], "parts": parts}))
@@ -214,7 +216,8 @@ def test_parts_counted_on_the_host_or_the_device_means_or_sums_each_train_and_lo
     w = nn.Parameter(torch.tensor(1.0, dtype=torch.float64))
     names = tuple("abcd"[:parts])
     loop = WindowLoop(_Engine(w), CPU, TRAINER, names)
-    planned = [[read_count(torch.tensor(n) if on_device else n, integer=True) for n in part] for part in counts]
+    rows = [[torch.tensor(n) if on_device else n for n in row] for row in zip(*counts, strict=True)]
+    planned = [read_counts(row, [True] * parts) for row in rows]  # each microbatch's counts of every part
     loop.plan(planned, None if seed % 3 else [float(sum(part)) for part in counts])  # N brought, or summed now
     for m, item_sum in enumerate(item_sums):
         losses = {name: w * means[k][m] * (counts[k][m] if item_sum else 1) for k, name in enumerate(names)}
@@ -237,7 +240,7 @@ def test_parts_counted_on_the_host_or_the_device_means_or_sums_each_train_and_lo
 def test_loss_parts_whose_names_differ_from_the_counted_ones_or_that_came_counted_after_fail_the_window(one_rank):
     w = nn.Parameter(torch.tensor(1.0))
     loop = WindowLoop(_Engine(w), CPU, TRAINER, parts=("text", "image"))
-    loop.plan([[Count(1.0)], [Count(1.0)]])
+    loop.plan([Counts((1.0, 1.0))])
     parts = {"text": w * 1.0, "audio": w * 2.0}
     loop.add(read_output({"loss": w * 3.0, "parts": parts}))
     loop.backward_loss(None).backward()

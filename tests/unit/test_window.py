@@ -16,15 +16,18 @@ from lightning_weighted.window import (
     SUMMED,
     TRAINER,
     Count,
+    Counts,
     Problem,
     Slot,
     Window,
     WindowResult,
     Wording,
     at,
+    host_items,
     payload,
     problem_error,
     read_count,
+    read_counts,
     window_result,
 )
 
@@ -282,6 +285,44 @@ def test_read_count_checks_tensors_where_they_live(value, integer, problem):
 )
 def test_read_count_rejects_what_is_not_a_scalar_number(value, problem):
     assert read_count(value).problem is problem
+
+
+_ANY_COUNT = st.one_of(
+    st.integers(-3, 2**40),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([True, None, "3", 2.5, -0.0, torch.tensor(4), torch.tensor(1.5), torch.tensor([1, 2])]),
+)
+
+
+def _kind(problem: Problem | Tensor | None) -> Problem | None:
+    """A count's problem, read (a tensor's, checked on its device, too)."""
+    return Problem(int(problem)) if isinstance(problem, Tensor) and problem else problem or None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(_ANY_COUNT, st.booleans()), min_size=1, max_size=5), st.booleans())
+def test_a_microbatchs_counts_read_together_are_each_count_read_alone(given_counts, host):
+    values, integer = [v for v, _ in given_counts], [i for _, i in given_counts]
+    counts = read_counts(values, integer, host=host)
+    alone = [read_count(v, i, host=host) for v, i in given_counts]
+    assert len(counts.values) == len(alone)
+    for together, each in zip(counts.each(), alone, strict=True):
+        assert _kind(together.problem) == _kind(each.problem)
+        assert float(together.value) == float(each.value) or math.isnan(float(each.value))
+    valid_on_host = all(c.problem is None and isinstance(c.value, float) for c in alone)
+    assert (counts.problems is None) == valid_on_host  # None: every count a valid number on the host
+    host_valid = [c.value if c.problem is None and isinstance(c.value, float) else 0.0 for c in alone]
+    assert host_items([counts, counts], len(alone)) == [2 * v for v in host_valid]  # a device count adds 0 here
+
+
+def test_counts_that_are_all_valid_numbers_are_read_in_one_pass_and_anything_else_one_by_one():
+    assert read_counts([3, 2.0, 0], [True, True, False]) == Counts((3.0, 2.0, 0.0))
+    assert read_counts([3, 2.5], [False, True]).each() == [Count(3.0), Count(2.5, Problem.FRACTIONAL)]
+    assert read_counts([True, 1], [True, True]).each() == [Count(math.nan, Problem.NOT_A_NUMBER), Count(1.0)]
+    assert read_counts([torch.tensor(5), 1], [True, True], host=True) == Counts((5.0, 1.0))  # read before it moves
+    on_device = read_counts([torch.tensor(5).as_subclass(Unreadable), 1], [True, True])  # never read on the host
+    assert isinstance(on_device.values[0], Unreadable) and on_device.problems is not None
+    assert host_items([], 3) == [0.0, 0.0, 0.0] and host_items([on_device]) == [0.0, 1.0]
 
 
 def test_read_count_requires_whole_numbers_for_examples_and_tokens():

@@ -24,8 +24,7 @@ class DDPEngine(FiniteGradients):
 
     def __init__(self, ddp: nn.Module, module: nn.Module, mean_sized: bool = False) -> None:
         super().__init__()
-        self.ddp, self.module, self.mean_sized = ddp, module, mean_sized
-        self.needs_graph = False
+        self.ddp, self.module, self.mean_sized, self.needs_graph = ddp, module, mean_sized, False
         self.group: dist.ProcessGroup | None = getattr(ddp, "process_group", None)
         self.divisor = dist.get_world_size(self.group)
         self._parameters = tuple(ddp.parameters())  # DDP's parameters are fixed once it wraps the model
@@ -44,8 +43,7 @@ class DDPEngine(FiniteGradients):
 
 def zero_loss(module: nn.Module) -> Tensor:
     """An exact zero that reaches every trainable parameter of ``module``: a loss for a microbatch that gave none."""
-    params = [param for param in module.parameters() if param.requires_grad]
-    return torch.stack([param.sum().float() * 0.0 for param in params]).sum()
+    return torch.stack([param.sum().float() * 0.0 for param in module.parameters() if param.requires_grad]).sum()
 
 
 def fp16_backward(plugin: object) -> bool:

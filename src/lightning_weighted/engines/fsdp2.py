@@ -68,12 +68,11 @@ class FSDP2Engine:
                 " would not be reduced. Apply `fully_shard` to the module that holds them as well (usually the whole"
                 " model, after its blocks) in `configure_model`, or freeze them."
             )
-        names = {child: name for name, child in module.named_modules()}
         for fsdp in modules:
             groups, dtypes = fsdp2_param_groups(fsdp), {p.dtype for p in fsdp.parameters() if p.requires_grad}
             for policy in (policy for param_group in groups for policy in fsdp2_policies(param_group)):
                 if torch.float16 in (policy.reduce_dtype, policy.param_dtype, *dtypes):
-                    name = names[fsdp] or "(the root)"
+                    name = next(name for name, child in module.named_modules() if child is fsdp) or "(the root)"
                     raise ValueError(
                         f"FSDP2 module {name!r} computes or reduces its gradients in float16: {policy}. {FP16_FIX}."
                     )

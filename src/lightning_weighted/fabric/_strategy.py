@@ -22,7 +22,7 @@ from lightning_weighted.fabric._loader import FabricLoader, Yielded
 from lightning_weighted.loaders import Participation, Policy, participating, without_padding
 from lightning_weighted.loop import Output, WindowLoop, terms
 from lightning_weighted.strategy import WeightedStrategy
-from lightning_weighted.window import FABRIC, Count, Problem, read_count
+from lightning_weighted.window import FABRIC, Counts, Problem, read_count, read_counts
 
 
 class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
@@ -66,7 +66,8 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
         loop.parts = tuple(name for name in named if name)  # the parts this window averages, each over its own N
         size = max((len(c) for c in named.values()), default=0)
         replays = self._yielded.replays(size)
-        loop.plan([[_read_ahead(c, integer, bool(r)) for c, r in zip_longest(p, replays)] for p in named.values()])
+        rows = zip_longest(*named.values())  # a shorter part's missing count is not a number
+        loop.plan([_read_ahead(row, (integer,) * len(named), bool(r)) for row, r in zip(rows, replays, strict=True)])
         self._planned = deque(replays)
 
     def _syncs(self) -> bool:
@@ -203,11 +204,11 @@ def _step(tensor: Tensor, count: object, reduction: str, parts: object, aux: obj
     return Output(tensor, None if count is None else read_count(count), reduction == "sum", named, extra, problem)
 
 
-def _read_ahead(count: object, integer: bool, replay: bool) -> Count:
-    """A count handed over ahead, read where it lives (on the host where it is in host memory); a replay's is 0."""
+def _read_ahead(row: Sequence[object], integer: Sequence[bool], replay: bool) -> Counts:
+    """A microbatch's counts handed over ahead, read where they live (on the host in host memory); a replay's: 0."""
     if replay:
-        return Count(0.0)
-    return read_count(count, integer, host=not isinstance(count, Tensor) or count.device.type == "cpu")
+        return Counts((0.0,) * len(row))
+    return read_counts(row, integer, host=all(not isinstance(c, Tensor) or c.device.type == "cpu" for c in row))
 
 
 def _ends_window(syncs: bool, window_end: bool | None, reduction: str) -> bool:

@@ -13,7 +13,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_weighted._compat import BackwardSyncControl, StrategyRegistry, register, set_backward_sync_control
+from lightning_weighted._compat import BackwardSyncControl, set_backward_sync_control
 from lightning_weighted.engines.ddp import DDPEngine, fp16_backward
 from lightning_weighted.engines.fsdp1 import FSDP1Engine, wrapped_on_cpu
 from lightning_weighted.engines.fsdp2 import FSDP2Engine, shard_blocks
@@ -41,16 +41,9 @@ class WeightedFabricDDPStrategy(WeightedFabricStrategy, DDPStrategy):
     """
 
     strategy_name = "ddp_weighted"
-
-    def __init__(self, *args: Any, participation: Policy = "pad", **kwargs: Any) -> None:
-        super().__init__(*args, participation=participation, **kwargs)
-        self._ddp: DistributedDataParallel | None = None
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
-        notebook = ("ddp_weighted_notebook", {"start_method": "fork"})  # Fabric names a notebook launcher too
-        register(strategy_registry, cls, "Count-weighted Fabric DDP", *LAUNCHERS, notebook)
+    # Fabric names a notebook launcher too
+    _registered = "Count-weighted Fabric DDP", [*LAUNCHERS, ("ddp_weighted_notebook", {"start_method": "fork"})]
+    _ddp: DistributedDataParallel | None = None  # set by `setup_module`
 
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
@@ -94,6 +87,7 @@ class WeightedFabricFSDPStrategy(WeightedFabricStrategy, FSDPStrategy):
     """
 
     strategy_name = "fsdp_weighted"
+    _registered = "Count-weighted Fabric FSDP1, on CPU or CUDA", [("fsdp_weighted", {})]
 
     def __init__(self, *args: Any, participation: Policy = "pad", **kwargs: Any) -> None:
         super().__init__(*args, participation=participation, **kwargs)
@@ -105,11 +99,6 @@ class WeightedFabricFSDPStrategy(WeightedFabricStrategy, FSDPStrategy):
             )
         set_backward_sync_control(self, MarkWindow(self.accumulating))
         self._accumulating = False  # inside `fabric.no_backward_sync(model)`
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
-        register(strategy_registry, cls, "Count-weighted Fabric FSDP1, on CPU or CUDA", ("fsdp_weighted", {}))
 
     @override
     def setup_module(self, module: Module) -> Module:
@@ -150,6 +139,7 @@ class WeightedFabricModelParallelStrategy(WeightedFabricStrategy, ModelParallelS
     """
 
     strategy_name = "fsdp2_weighted"
+    _registered = "Count-weighted Fabric FSDP2, every rank data-parallel", [("fsdp2_weighted", {})]
 
     def __init__(self, *args: Any, participation: Policy = "pad", **kwargs: Any) -> None:
         if not args:
@@ -157,13 +147,6 @@ class WeightedFabricModelParallelStrategy(WeightedFabricStrategy, ModelParallelS
         super().__init__(*args, participation=participation, **kwargs)
         set_backward_sync_control(self, MarkWindow(lambda module, enabled: self.accumulating(enabled)))
         self._accumulating = False  # inside `fabric.no_backward_sync(model)`
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
-        register(
-            strategy_registry, cls, "Count-weighted Fabric FSDP2, every rank data-parallel", ("fsdp2_weighted", {})
-        )
 
     @override
     def setup_environment(self) -> None:

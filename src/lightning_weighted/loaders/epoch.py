@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from itertools import islice
 from typing import Any, Literal
 
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_weighted.loaders.extension import extend
-from lightning_weighted.window import Count
+from lightning_weighted.window import Counts
 
 __all__ = ["EpochBatches", "Participation", "Policy", "combined_lengths", "lengths_of", "participating"]
 
@@ -94,13 +94,13 @@ class EpochBatches:
     ) -> None:
         self.participation, self.longest, self.local, self.device = participation, longest, local, device
         self.shared_first, self.windows = shared_first, windows
-        self.count: Callable[[Any], Sequence[Count]] | None = None
+        self.count: Callable[[Any], Counts] | None = None
         self.loader_state: Callable[[], dict[str, Any]] | None = None
         self.position = self.start = self.passes = 0
         self._resume: tuple[int, int | None, int] | None = None
         self._source: Iterator[Any] = iter(())
         self._held: deque[Any] = deque()  # batches fetched early, in order
-        self._counts: deque[Sequence[Count]] = deque()  # counts of the batches fetched and not planned yet
+        self._counts: deque[Counts] = deque()  # counts of the batches fetched and not planned yet
         self._fetched = 0
         self._states: dict[int, dict[str, Any]] = {}  # the loader's state before each real batch still needed
 
@@ -124,14 +124,14 @@ class EpochBatches:
         self._source = self._produce(iterator, start, at)
         return self._handed(self.passes)
 
-    def take(self, size: int) -> list[Sequence[Count]]:
+    def take(self, size: int) -> list[Counts]:
         """The counts of the ``size`` batches trained next (fewer where the loader ends), fetching them now."""
         counts = self.peek(size)
         for _ in counts:
             self._counts.popleft()
         return counts
 
-    def peek(self, size: int) -> list[Sequence[Count]]:
+    def peek(self, size: int) -> list[Counts]:
         """The counts of the ``size`` batches after those taken (fewer where the loader ends), fetching them now."""
         while len(self._counts) < size:
             item = self._next()
@@ -169,7 +169,8 @@ class EpochBatches:
         if item is not _END:
             if self.count is not None:
                 replay = self.participation.replay(self._fetched)
-                self._counts.append([Count(0.0)] * len(self.count(item)) if replay else self.count(item))
+                counts = self.count(item)
+                self._counts.append(Counts((0.0,) * len(counts.values)) if replay else counts)
             self._fetched += 1
         return item
 

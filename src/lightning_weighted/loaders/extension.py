@@ -66,10 +66,8 @@ def extension(loader: Any) -> Extension | None:
 
 def own_state(loader: Any) -> Callable[[], dict[str, Any]] | None:
     """The extended loader's own ``state_dict`` (a ``StatefulDataLoader``'s), past the extension; ``None`` if none."""
-    if isinstance(loader, _Extended):
-        own = getattr(super(_Extended, loader), "state_dict", None)
-    else:
-        own = getattr(getattr(loader, "iterable", loader), "state_dict", None)
+    owner = super(_Extended, loader) if isinstance(loader, _Extended) else getattr(loader, "iterable", loader)
+    own = getattr(owner, "state_dict", None)
     return own if callable(own) else None
 
 
@@ -79,9 +77,7 @@ def restore(loader: Any) -> Any:
         loader.__class__ = type(loader).__mro__[2]  # the class `_extended_class` extended
         del loader._lw
         return loader
-    if isinstance(loader, _ExtendedIterable):
-        return loader.iterable
-    return loader
+    return loader.iterable if isinstance(loader, _ExtendedIterable) else loader
 
 
 def _run(extension: Extension, iterator: Iterator[Any]) -> Iterator[Any]:
@@ -117,8 +113,7 @@ def _extended_class(cls: type[DataLoader[Any]]) -> type[DataLoader[Any]]:
     if cls not in _EXTENDED:
         namespace: dict[str, Any] = {"__module__": cls.__module__}
         if hasattr(cls, "state_dict"):  # a StatefulDataLoader: Lightning saves the state of loaders with one
-            namespace["state_dict"] = _state_dict
-            namespace["load_state_dict"] = _load_state_dict
+            namespace.update(state_dict=_state_dict, load_state_dict=_load_state_dict)
         _EXTENDED[cls] = type(cls.__name__, (_Extended, cls), namespace)
     return _EXTENDED[cls]
 
@@ -141,11 +136,8 @@ class _ExtendedIterable:
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self.__dict__["iterable"], name)
-        extension = self._lw
-        if name == "state_dict" and extension.state is not None:
-            state = extension.state
+        if name == "state_dict" and (state := self._lw.state) is not None:
             return lambda: state() or value()
-        if name == "load_state_dict" and extension.load is not None:
-            load = extension.load
+        if name == "load_state_dict" and (load := self._lw.load) is not None:
             return lambda given: None if (chosen := load(given)) is None else value(chosen)
         return value

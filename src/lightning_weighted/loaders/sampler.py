@@ -86,10 +86,8 @@ def without_padding(dataloader: object) -> object:
     if not isinstance(dataloader, DataLoader):
         return dataloader
     batches: Any = dataloader.batch_sampler
-    sampler: Any = dataloader.sampler
-    if not _inserted(sampler) and batches is not None and _inserted(getattr(batches, "sampler", None)):
-        sampler = batches.sampler
-    if not _inserted(sampler):
+    sampler: Any = next((s for s in (dataloader.sampler, getattr(batches, "sampler", None)) if _inserted(s)), None)
+    if sampler is None:
         return dataloader
     kind = _UnpaddedWrapper if isinstance(sampler, DistributedSamplerWrapper) else UnpaddedDistributedSampler
     unpadded = kind(sampler.dataset, sampler.num_replicas, sampler.rank, sampler.shuffle, sampler.seed)

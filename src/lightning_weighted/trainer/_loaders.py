@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,7 +12,7 @@ from lightning_weighted._compat import LOADER_BARRIERS, combined_mode
 from lightning_weighted.loaders import EpochBatches, Participation, Policy, participating, without_padding
 from lightning_weighted.loaders.epoch import combined_lengths, combined_message, lengths_of
 from lightning_weighted.loaders.extension import extend, extension, own_state, restore
-from lightning_weighted.window import Count
+from lightning_weighted.window import Counts
 
 _KEY = "lightning_weighted"  # each rank's place in its train epoch, in a checkpoint
 
@@ -32,7 +32,7 @@ class FitLoaders:
         self.train = Participation(policy)  # the train loader's epoch (one, for the loaders a CombinedLoader holds)
         self.stage: EpochBatches | None = None  # the one train loader's batches, where it was extended
         self.evaluation: dict[str, list[Participation]] = {"val": [], "test": []}  # one per evaluation loader
-        self.count: Callable[[Any], Sequence[Count]] | None = None  # counts ahead: each part's count of a batch
+        self.count: Callable[[Any], Counts] | None = None  # counts ahead: each part's count of a batch
         self.train_loaders: list[Any] = []
         self.fit_loop: Any = None  # Lightning's fit loop, whose train CombinedLoader names its mode
         self._lengths: list[list[int]] = []  # every rank's length of each train loader (-1: none)

@@ -23,6 +23,7 @@ import contextlib
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ from lightning_weighted._compat import metric_restore, metric_snapshot
 from lightning_weighted.loop import Exchange, Output, WindowLoop, read_output
 from lightning_weighted.monitor import loggable
 from lightning_weighted.trainer._loaders import FitLoaders
-from lightning_weighted.window import TRAINER, Count, Problem, Window, Wording, window_result
+from lightning_weighted.window import TRAINER, Count, Counts, Problem, Window, Wording, window_result
 
 EPOCH_END = "LightningModule.on_train_batch_start"
 SCHEDULERS = "LightningModule.lr_scheduler_step"
@@ -71,7 +72,7 @@ class BatchState:
     loader: int = 0
     ends_window: bool = False
     skipped: bool = False
-    plan: tuple[list[list[Count]], Sequence[float | Tensor]] | None = None
+    plan: tuple[list[Counts], Sequence[float | Tensor]] | None = None
 
 
 class Seam:
@@ -99,8 +100,8 @@ class Seam:
         """Makes the fit's touches: each undone by :meth:`close`, also where a later one fails."""
         self.loop, self.module, self.evaluation = loop, module, evaluation
         self._touches.enter_context(_silenced(_SAMPLER_WARNING, PossibleUserWarning))
-        epoch_end = self._epoch_end(module.on_train_batch_start)
-        scheduler_step = self._scheduler_step(trainer, module.lr_scheduler_step)
+        epoch_end = partial(self._epoch_end, module.on_train_batch_start)
+        scheduler_step = partial(self._scheduler_step, trainer, module.lr_scheduler_step)
         self._touches.enter_context(patched(module, on_train_batch_start=epoch_end, lr_scheduler_step=scheduler_step))
         callback = _Batches(self)
         trainer.callbacks.insert(0, callback)  # type: ignore[attr-defined]
@@ -120,14 +121,13 @@ class Seam:
         """The step of the batch in progress: a replay's logs and metrics leave no trace."""
         batch = self.batch
         self.weight = (0.0 if batch.replay else 1.0) if batch.replays else None
-        metrics = [m for m in module.modules() if isinstance(m, Metric)] if batch.replay else []
-        saved = [metric_snapshot(m) for m in metrics]
+        saved = [(m, metric_snapshot(m)) for m in module.modules() if isinstance(m, Metric)] if batch.replay else []
         try:
-            with patched(module, log=_logged_as_nothing(module.log)) if batch.replay else contextlib.nullcontext():
+            with patched(module, log=partial(_log_nothing, module.log)) if batch.replay else contextlib.nullcontext():
                 yield
         finally:
             self.weight = None
-            for metric, state in zip(metrics, saved, strict=True):
+            for metric, state in saved:
                 metric_restore(metric, state)
 
     def evaluation_step(self, step: Callable[..., Any], args: Any, kwargs: Any) -> Any:
@@ -150,25 +150,18 @@ class Seam:
         total = weighted[:-1] if op == "sum" else weighted[:-1] / weighted[-1].clamp(min=1.0)
         return total.reshape(tensor.shape).to(tensor.dtype if tensor.is_floating_point() else torch.float64)
 
-    def _epoch_end(self, hook: Callable[[Any, int], int | None]) -> Callable[[Any, int], int | None]:
-        def on_train_batch_start(batch: Any, batch_idx: int) -> int | None:
-            assert self.loop is not None
-            response = -1 if self.loaders.train.stop else hook(batch, batch_idx)
-            if response == -1:  # Lightning drops the half window's gradient: so do its counts
-                self.loop.drop()
-                self.batch = BatchState()
-            return response
+    def _epoch_end(self, hook: Callable[[Any, int], int | None], batch: Any, batch_idx: int) -> int | None:
+        assert self.loop is not None
+        response = -1 if self.loaders.train.stop else hook(batch, batch_idx)
+        if response == -1:  # Lightning drops the half window's gradient: so do its counts
+            self.loop.drop()
+            self.batch = BatchState()
+        return response
 
-        return on_train_batch_start
-
-    def _scheduler_step(self, trainer: Trainer, hook: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
-        def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
-            configs = trainer.lr_scheduler_configs
-            if self.batch.skipped and any(c.scheduler is scheduler and c.interval == "step" for c in configs):
-                return
+    def _scheduler_step(self, trainer: Trainer, hook: Callable[[Any, Any], None], scheduler: Any, metric: Any) -> None:
+        configs = trainer.lr_scheduler_configs
+        if not (self.batch.skipped and any(c.scheduler is scheduler and c.interval == "step" for c in configs)):
             hook(scheduler, metric)
-
-        return lr_scheduler_step
 
 
 class _Batches(Callback):
@@ -283,16 +276,13 @@ def logs_ignored(module: LightningModule) -> contextlib.AbstractContextManager[N
     return patched(module, log=lambda *args, **kwargs: None, log_dict=lambda *args, **kwargs: None)
 
 
-def _logged_as_nothing(log: Callable[..., None]) -> Callable[..., None]:
-    def log_nothing(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        if not isinstance(value, Metric):  # a Metric's state is put back after the step instead
-            if kwargs.get("reduce_fx", "mean") in ("sum", torch.sum):
-                value = torch.zeros_like(torch.as_tensor(value))  # the dtype the real ranks log
-            else:
-                kwargs["batch_size"] = 0
-        log(name, value, *args, **kwargs)
-
-    return log_nothing
+def _log_nothing(log: Callable[..., None], name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+    if not isinstance(value, Metric):  # a Metric's state is put back after the step instead
+        if kwargs.get("reduce_fx", "mean") in ("sum", torch.sum):
+            value = torch.zeros_like(torch.as_tensor(value))  # the dtype the real ranks log
+        else:
+            kwargs["batch_size"] = 0
+    log(name, value, *args, **kwargs)
 
 
 @contextlib.contextmanager

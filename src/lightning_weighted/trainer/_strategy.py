@@ -30,7 +30,7 @@ from lightning_weighted.loop import Output, WindowLoop, read_output
 from lightning_weighted.strategy import WeightedStrategy
 from lightning_weighted.trainer._loaders import FitLoaders
 from lightning_weighted.trainer._seam import BatchState, EvaluationLoss, Seam
-from lightning_weighted.window import TRAINER, Count, Problem, Wording
+from lightning_weighted.window import TRAINER, Count, Problem, Wording, host_items
 
 _TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 
@@ -117,7 +117,7 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
         step = read_output(output)
         if self._windows.ahead:
             counter = self._counter if self._checks_batch and not state.replay else None
-            loop.add(step, state.replay, counter.counts(batch) if counter is not None else [])
+            loop.add(step, state.replay, counter.counts(batch) if counter is not None else None)
         else:
             counts = [] if state.replay else self.counts_of(step, batch)
             loop.add(replace(step, count=counts[0]) if counts else step, state.replay)
@@ -132,7 +132,7 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
         if step.count is not None:
             return [step.count]
         if self._counter is not None:
-            return self._counter.counts(batch, combined=self._loaders.combined)
+            return self._counter.counts(batch, combined=self._loaders.combined).each()
         if self._loaders.combined:
             return [Count(math.nan, Problem.AMBIGUOUS)]
         if not self._implicit_noted:
@@ -223,8 +223,8 @@ class TrainWindows:
         state = self.seam.batch = BatchState(position, train.replay(position), train.replays)
         if self.ahead and not self.loop.open:
             assert stage is not None
-            counts = [list(part) for part in zip(*stage.take(_window_size(self.trainer, index)), strict=True)]
-            planned, self._next, size = self._next, None, len(counts[0]) if counts else 0
+            counts = stage.take(_window_size(self.trainer, index))
+            planned, self._next, size = self._next, None, len(counts)
             totals = planned[2] if planned is not None and planned[:2] == (stage.passes, size) and size else None
             state.plan = (counts, self.loop.plan(counts, totals))
 
@@ -238,8 +238,7 @@ class TrainWindows:
         size = _window_size(self.trainer, train_batch_idx(self.trainer) + 1)
         counts = stage.peek(size) if size > 0 else []
         self._next = (stage.passes, len(counts), None)
-        parts = list(zip(*counts, strict=True)) if counts else []
-        return more, [sum(c.value for c in p if c.problem is None and isinstance(c.value, float)) for p in parts]
+        return more, host_items(counts) if counts else []
 
     def last_batch(self, closure: Callable[[], Any]) -> Any:
         """Runs Lightning's closure (the window's last step and backward; again under LBFGS), then :meth:`finish`."""

@@ -17,14 +17,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_weighted._compat import (
-    StrategyRegistry,
-    augment_message,
-    ddp_kwargs,
-    fsdp1_options,
-    join_enabled,
-    register,
-)
+from lightning_weighted._compat import augment_message, ddp_kwargs, fsdp1_options, join_enabled
 from lightning_weighted.engines import Engine
 from lightning_weighted.engines.ddp import DDPEngine, fp16_backward
 from lightning_weighted.engines.fsdp1 import FSDP1Engine, wrapped_on_cpu
@@ -53,11 +46,7 @@ class WeightedDDPStrategy(WeightedTrainerStrategy, DDPStrategy):
     """
 
     strategy_name = "ddp_weighted"
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
-        register(strategy_registry, cls, "Count-weighted DDP strategy", *LAUNCHERS)
+    _registered = "Count-weighted DDP strategy", LAUNCHERS
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -120,6 +109,7 @@ class WeightedFSDPStrategy(WeightedTrainerStrategy, FSDPStrategy):
     """
 
     strategy_name = "fsdp_weighted"
+    _registered = "Count-weighted FSDP1, on CPU or CUDA", [("fsdp_weighted", {})]
 
     def __init__(
         self, *args: Any, participation: Policy = "pad", sync_every_microbatch: bool = False, **kwargs: Any
@@ -134,11 +124,6 @@ class WeightedFSDPStrategy(WeightedTrainerStrategy, FSDPStrategy):
                 " of 'NO_SHARD'."
             )
         self._fsdp1: FSDP1Engine | None = None
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
-        register(strategy_registry, cls, "Count-weighted FSDP1, on CPU or CUDA", ("fsdp_weighted", {}))
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -175,8 +160,7 @@ class WeightedFSDPStrategy(WeightedTrainerStrategy, FSDPStrategy):
             return super().lightning_module_state_dict()
         assert self.model is not None
         with _full_state_dict_in_place(self.model):
-            state: dict[str, Any] = self.model.state_dict()
-        return state
+            return self.model.state_dict()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
@@ -209,11 +193,7 @@ class WeightedModelParallelStrategy(WeightedTrainerStrategy, ModelParallelStrate
     """
 
     strategy_name = "fsdp2_weighted"
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
-        register(strategy_registry, cls, "Count-weighted FSDP2, every rank data-parallel", ("fsdp2_weighted", {}))
+    _registered = "Count-weighted FSDP2, every rank data-parallel", [("fsdp2_weighted", {})]
 
     @override
     def setup_environment(self) -> None:
