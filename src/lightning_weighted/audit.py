@@ -162,10 +162,11 @@ class ObjectiveAudit(Callback):
             f" {report.replica_error:.3g}, imbalance max_r P·n_r/N {report.imbalance:.3g} over counts"
             f" {[round(c, 6) for c in report.counts]}"
         )
-        if not report.passed and self.on_mismatch == "raise":
+        if report.passed:
+            return
+        if self.on_mismatch == "raise":
             raise ObjectiveMismatchError(_mismatch_message(report, self.rtol))
-        if not report.passed:
-            rank_zero_warn(_mismatch_message(report, self.rtol))
+        rank_zero_warn(_mismatch_message(report, self.rtol))
 
     def _audit(self, trainer: Trainer, pl_module: LightningModule, window: list[Microbatch]) -> AuditReport:
         strategy, device = trainer.strategy, pl_module.device

@@ -99,21 +99,10 @@ class ItemMetrics:
             if part.items > 0:
                 values[f"train/loss/{name}"] = part.loss
             values[f"train/items/{name}"] = part.items
-        if collectives and self.imbalance:  # max_r P · n_r / N from one MAX of the ranks' counts
-            values["train/imbalance"] = 1.0
-            if window.items > 0 and dist.is_initialized():
-                largest = torch.tensor(window.local_items, dtype=torch.float64, device=self.device)
-                dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
-                values["train/imbalance"] = imbalance(float(largest), window.items, dist.get_world_size(self.group))
-        if collectives and self._aux:  # each term's mean over the microbatches and ranks, as the strategies weigh them
-            names = sorted(self._aux)
-            stacked = torch.stack([torch.as_tensor(self._aux[name], dtype=torch.float64) for name in names])
-            ranks = 1
-            if dist.is_initialized():
-                dist.all_reduce(stacked, group=self.group)
-                ranks = dist.get_world_size(self.group)
-            means = stacked / (self._microbatches * ranks)
-            values.update({f"train/aux/{name}": mean for name, mean in zip(names, means, strict=True)})
+        if collectives and self.imbalance:
+            values["train/imbalance"] = self._imbalance(window)
+        if collectives and self._aux:
+            values.update(self._aux_means())
         return values
 
     def end_epoch(self) -> dict[str, float]:
@@ -129,6 +118,25 @@ class ItemMetrics:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Resumes :attr:`items_total` from :meth:`state_dict`."""
         self.items_total = float(state_dict["items_total"])
+
+    def _imbalance(self, window: WindowResult) -> float:
+        """:func:`~lightning_weighted.window.imbalance` over the window's ranks, from one MAX of their counts."""
+        if window.items <= 0 or not dist.is_initialized():
+            return 1.0
+        largest = torch.tensor(window.local_items, dtype=torch.float64, device=self.device)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
+        return imbalance(float(largest), window.items, dist.get_world_size(self.group))
+
+    def _aux_means(self) -> dict[str, Tensor]:
+        """Each auxiliary term's mean over the window's microbatches and ranks, as the strategies weigh them."""
+        names = sorted(self._aux)
+        stacked = torch.stack([torch.as_tensor(self._aux[name], dtype=torch.float64) for name in names])
+        ranks = 1
+        if dist.is_initialized():
+            dist.all_reduce(stacked, group=self.group)
+            ranks = dist.get_world_size(self.group)
+        means = stacked / (self._microbatches * ranks)
+        return {f"train/aux/{name}": mean for name, mean in zip(names, means, strict=True)}
 
 
 class ItemMonitor(Callback):
