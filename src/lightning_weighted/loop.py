@@ -177,7 +177,7 @@ class WindowLoop:
         if planned is not None and problem is None and not replay:  # a count given, or counted again, must agree
             if output.count is not None:
                 window.check(output.count, planned.part(0))
-            for again, planned_count in zip(recount.each() if recount else (), planned.each(), strict=False):
+            for again, planned_count in zip(recount.each(), planned.each(), strict=False) if recount else ():
                 window.check(again, planned_count, Problem.CHANGED)
         if replay or problem is not None or (count is None and planned is None):
             if not replay:

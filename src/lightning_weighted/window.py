@@ -459,9 +459,10 @@ def _stacked(tensors: list[_Held], host_items: float) -> tuple[Tensor, Tensor, T
 class Parts:
     r"""The :math:`K` named parts of one window counted ahead, held as vectors: a fixed number of tensor operations.
 
-    Microbatch :math:`m` backpropagates :math:`\sum_k f_{mk} \ell_{mk}`, the factors :math:`D n_{mk} / N_k` of
-    :meth:`Window.factor` made at the plan (one copy to the device per window), as are each part's items and problems
-    (a replay is planned with a count of 0); each part's :math:`\sum_m w_{mk} \ell_{mk}` is summed once per window.
+    Microbatch :math:`m` backpropagates :math:`\sum_k f_{mk} \ell_{mk}`, the factors :math:`D w_{mk} / N_k` of
+    :meth:`Window.factor` (:math:`w` the count of a mean, 1 for a sum over items that holds some) copied to the device
+    once per window, as are each part's items and problems (a replay is planned with a count of 0); each part's
+    :math:`\sum_m w_{mk} \ell_{mk}` is summed once per window.
 
     Args:
         rows: each microbatch's counts, one per part.
@@ -485,49 +486,55 @@ class Parts:
             self.problem = found[0] if found else None
         self.device_items: Tensor | None = None
         self.checks: list[_Held] = []  # the counts on a device, checked there by the window (and TOO_LARGE)
+        self._device = device
+        self._tables: dict[bool, Tensor] = {}  # of means and of sums: the weights and the factors, (2, M, K) each
+        self._rows: dict[tuple[bool, torch.dtype | None], Sequence[Tensor]] = {}  # their rows (None: the weights)
+        self._held: list[tuple[Tensor, Tensor]] = []  # each microbatch's weights and losses, as backpropagated
         if set(map(type, totals)) <= {float} and (not flat or set(map(type, valid)) <= {float}):  # all on the host
-            host, floats = cast("list[float]", valid), cast("Sequence[float]", totals)
-            weights = host + list(map(float, map(bool, host)))  # of a mean, then of a sum (a valid count is >= 0)
-            if min(floats, default=0.0) > 0:
-                factors = list(map(truediv, map(mul, weights, repeat(float(divisor))), cycle(floats)))
-            else:
-                factors = [w * divisor / t if t > 0 else 0.0 for w, t in zip(weights, cycle(floats))]
-            table = host_tensor(weights + factors, device).view(2, -1, parts)
-            self.weights, self.factors = table[0], table[1]
+            self._host: list[float] | None = cast("list[float]", valid)
+            floats = cast("Sequence[float]", totals)
+            self._scale = [divisor / t if t > 0 else 0.0 for t in floats]  # D / N_k
             self.items = host_items(rows, parts)
             if self.problem is None and max(self.items) >= MAX_ITEMS:
                 self.problem = (Problem.TOO_LARGE, max(self.items))
-            self._host: list[float] | None = host
-        else:
-            as_tensor = partial(torch.as_tensor, dtype=torch.float64, device=device)
-            stacked = torch.stack([as_tensor(v) for v in valid])
-            self.weights = torch.cat([stacked, (stacked > 0).double()]).view(-1, parts)
-            total = torch.stack([as_tensor(t) for t in totals])
-            self.factors = torch.where(total > 0, self.weights * divisor / total, 0.0)
-            self.items, self._host = [0.0] * parts, None
-            self.device_items = stacked.view(-1, parts).sum(0)
-            zero, most = as_tensor(0.0), self.device_items.max()
-            self.checks = [(as_tensor(n), p, None, None) for n, p, _ in flat if isinstance(p, Tensor)]
-            self.checks.append((most, torch.where(most >= MAX_ITEMS, float(Problem.TOO_LARGE), zero), None, None))
-        self.some_empty = self._host is None or min(self._host, default=1.0) <= 0
-        self._weight_rows = self.weights.unbind(0)
-        self._rows: dict[torch.dtype, Sequence[Tensor]] = {}
-        self._held: list[tuple[int, Tensor]] = []
+            self.some_empty = min(self._host, default=1.0) <= 0
+            return
+        as_tensor = partial(torch.as_tensor, dtype=torch.float64, device=device)
+        counts = torch.stack([as_tensor(v) for v in valid]).view(-1, parts)
+        total = torch.stack([as_tensor(t) for t in totals])
+        scale = torch.where(total > 0, divisor / total, 0.0)
+        for item_sum, weights in ((False, counts), (True, (counts > 0).double())):
+            self._tables[item_sum] = torch.stack([weights, weights * scale])
+        self.items, self._host, self.some_empty = [0.0] * parts, None, True
+        self.device_items = counts.sum(0)
+        zero, most = as_tensor(0.0), self.device_items.max()
+        self.checks = [(as_tensor(n), p, None, None) for n, p, _ in flat if isinstance(p, Tensor)]
+        self.checks.append((most, torch.where(most >= MAX_ITEMS, float(Problem.TOO_LARGE), zero), None, None))
 
     def loss(self, window: Window, microbatch: int, item_sum: bool, losses: Tensor) -> tuple[float, Tensor]:
         """The factor and loss microbatch ``microbatch`` backpropagates, from its stacked ``losses`` (means or sums).
 
         ``0.0`` and ``losses`` where no part holds an item (``window`` notes whether they are finite): the engine's 0.
         """
-        if self._host is not None and not any(self._host[microbatch * self.count : (microbatch + 1) * self.count]):
+        host, size = self._host, self.count
+        if self.some_empty and host is not None and not any(host[microbatch * size : (microbatch + 1) * size]):
             window.empty(losses)
             return 0.0, losses
-        row = microbatch + (self.microbatches if item_sum else 0)
-        rows = self._rows.get(losses.dtype)
+        self._held.append((self._table_rows(item_sum, None)[microbatch], losses.detach()))
+        return 1.0, (losses * self._table_rows(item_sum, losses.dtype)[microbatch]).sum()
+
+    def _table_rows(self, item_sum: bool, dtype: torch.dtype | None) -> Sequence[Tensor]:
+        """Each microbatch's weights (``dtype`` ``None``, in float64) or factors (in ``dtype``), made once a window."""
+        rows = self._rows.get((item_sum, dtype))
         if rows is None:
-            rows = self._rows[losses.dtype] = self.factors.to(losses.dtype).unbind(0)
-        self._held.append((row, losses.detach()))
-        return 1.0, (losses * rows[row]).sum()
+            table = self._tables.get(item_sum)
+            if table is None:  # on the host: a mean's weight is its count, a sum's 1 where it counts any item
+                host = cast("list[float]", self._host)
+                weights = list(map(float, map(bool, host))) if item_sum else host
+                factors = list(map(mul, weights, cycle(self._scale)))
+                table = self._tables[item_sum] = host_tensor(weights + factors, self._device).view(2, -1, self.count)
+            rows = self._rows[item_sum, dtype] = (table[0] if dtype is None else table[1].to(dtype)).unbind(0)
+        return rows
 
     def device_fields(self, window: Window) -> dict[Slot, Tensor]:
         """The payload's fields on a device, a vector each; a loss of weight 0 adds 0 (``window`` notes it)."""
@@ -537,7 +544,7 @@ class Parts:
         if not self._held:
             return fields
         losses = torch.stack([loss for _, loss in self._held]).double()
-        weights = torch.stack([self._weight_rows[row] for row, _ in self._held])
+        weights = torch.stack([weights for weights, _ in self._held])
         if not self.some_empty:
             fields[Slot.LOSS] = (losses * weights).sum(0)
             return fields
