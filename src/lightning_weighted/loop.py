@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from operator import attrgetter
 
 import torch
@@ -172,7 +173,7 @@ class WindowLoop:
         self._typical.microbatches += 1
         planned = self._planned.popleft() if self._planned else None
         losses = list(map((output.parts or {}).get, self.parts)) if self.parts else [output.loss]
-        problem = None if replay else _problem(output, losses, frozenset(self.parts), planned is not None)
+        problem = None if replay else _problem(output, losses, len(self.parts), planned is not None)
         count = planned.part(0) if planned is not None and not self.parts else output.count
         if planned is not None and problem is None and not replay:  # a count given, or counted again, must agree
             if output.count is not None:
@@ -274,17 +275,20 @@ class WindowLoop:
         return result
 
 
-def _problem(output: Output, losses: list[Tensor | None], parts: frozenset[str], ahead: bool) -> Problem | None:
-    """What keeps a microbatch's output from being weighted, if anything."""
+def _problem(output: Output, losses: list[Tensor | None], parts: int, ahead: bool) -> Problem | None:
+    """What keeps a microbatch's output from being weighted, if anything.
+
+    ``losses``: the loss of each of the ``parts`` counted parts (``None`` where ``output`` has none), else the loss.
+    """
     if output.problem is not None:
         return output.problem
-    named = output.parts is not None or bool(parts)
+    named = output.parts is not None or parts > 0
     if named and not ahead:
         return Problem.PARTS_AFTER
-    if named and (output.parts is None or output.parts.keys() != parts or output.count is not None):
+    if named and (output.parts is None or len(output.parts) != parts or output.count is not None):
         return Problem.PARTS
-    if not parts and output.loss is None:
-        return Problem.NO_LOSS
+    if not all(map(isinstance, losses, repeat(Tensor))):  # as many names as counted, so one missing is another
+        return Problem.PARTS if parts else Problem.NO_LOSS
     return Problem.NO_GRAPH if None in map(attrgetter("grad_fn"), losses) else None  # every part's is there
 
 
