@@ -276,10 +276,7 @@ class WindowLoop:
 
 
 def _problem(output: Output, losses: list[Tensor | None], parts: int, ahead: bool) -> Problem | None:
-    """What keeps a microbatch's output from being weighted, if anything.
-
-    ``losses``: the loss of each of the ``parts`` counted parts (``None`` where ``output`` has none), else the loss.
-    """
+    """What keeps a microbatch's output from being weighted, if anything (``losses``: each counted part's, else its)."""
     if output.problem is not None:
         return output.problem
     named = output.parts is not None or parts > 0

@@ -487,26 +487,22 @@ class Parts:
         self.device_items: Tensor | None = None
         self.checks: list[_Held] = []  # the counts on a device, checked there by the window (and TOO_LARGE)
         self._device = device
-        self._tables: dict[bool, Tensor] = {}  # of means and of sums: the weights and the factors, (2, M, K) each
-        self._rows: dict[tuple[bool, torch.dtype | None], Sequence[Tensor]] = {}  # their rows (None: the weights)
+        self._rows: dict[tuple[bool, torch.dtype], tuple[Sequence[Tensor], ...]] = {}  # by item sum and dtype
         self._held: list[tuple[Tensor, Tensor]] = []  # each microbatch's weights and losses, as backpropagated
         if set(map(type, totals)) <= {float} and (not flat or set(map(type, valid)) <= {float}):  # all on the host
-            self._host: list[float] | None = cast("list[float]", valid)
-            floats = cast("Sequence[float]", totals)
-            self._scale = [divisor / t if t > 0 else 0.0 for t in floats]  # D / N_k
+            self._host: list[float] | None = cast("list[float]", valid)  # then each part's D / N_k
+            self._scale: list[float] | Tensor = [divisor / t if t > 0 else 0.0 for t in cast("list[float]", totals)]
             self.items = host_items(rows, parts)
             if self.problem is None and max(self.items) >= MAX_ITEMS:
                 self.problem = (Problem.TOO_LARGE, max(self.items))
             self.some_empty = min(self._host, default=1.0) <= 0
             return
         as_tensor = partial(torch.as_tensor, dtype=torch.float64, device=device)
-        counts = torch.stack([as_tensor(v) for v in valid]).view(-1, parts)
+        self._counts = torch.stack([as_tensor(v) for v in valid]).view(-1, parts)
         total = torch.stack([as_tensor(t) for t in totals])
-        scale = torch.where(total > 0, divisor / total, 0.0)
-        for item_sum, weights in ((False, counts), (True, (counts > 0).double())):
-            self._tables[item_sum] = torch.stack([weights, weights * scale])
+        self._scale = torch.where(total > 0, divisor / total, 0.0)
         self.items, self._host, self.some_empty = [0.0] * parts, None, True
-        self.device_items = counts.sum(0)
+        self.device_items = self._counts.sum(0)
         zero, most = as_tensor(0.0), self.device_items.max()
         self.checks = [(as_tensor(n), p, None, None) for n, p, _ in flat if isinstance(p, Tensor)]
         self.checks.append((most, torch.where(most >= MAX_ITEMS, float(Problem.TOO_LARGE), zero), None, None))
@@ -520,20 +516,22 @@ class Parts:
         if self.some_empty and host is not None and not any(host[microbatch * size : (microbatch + 1) * size]):
             window.empty(losses)
             return 0.0, losses
-        self._held.append((self._table_rows(item_sum, None)[microbatch], losses.detach()))
-        return 1.0, (losses * self._table_rows(item_sum, losses.dtype)[microbatch]).sum()
+        weights, factors = self._table_rows(item_sum, losses.dtype)
+        self._held.append((weights[microbatch], losses.detach()))
+        return 1.0, (losses * factors[microbatch]).sum()
 
-    def _table_rows(self, item_sum: bool, dtype: torch.dtype | None) -> Sequence[Tensor]:
-        """Each microbatch's weights (``dtype`` ``None``, in float64) or factors (in ``dtype``), made once a window."""
+    def _table_rows(self, item_sum: bool, dtype: torch.dtype) -> tuple[Sequence[Tensor], ...]:
+        """Each microbatch's weights (a mean's its count, a sum's 1 where it counts any) and factors, once a window."""
         rows = self._rows.get((item_sum, dtype))
         if rows is None:
-            table = self._tables.get(item_sum)
-            if table is None:  # on the host: a mean's weight is its count, a sum's 1 where it counts any item
-                host = cast("list[float]", self._host)
-                weights = list(map(float, map(bool, host))) if item_sum else host
-                factors = list(map(mul, weights, cycle(self._scale)))
-                table = self._tables[item_sum] = host_tensor(weights + factors, self._device).view(2, -1, self.count)
-            rows = self._rows[item_sum, dtype] = (table[0] if dtype is None else table[1].to(dtype)).unbind(0)
+            if self._host is not None:  # the weights and factors copied to the device at once
+                host = list(map(float, map(bool, self._host))) if item_sum else self._host
+                factors = list(map(mul, host, cycle(cast("list[float]", self._scale))))
+                weights, scaled = host_tensor(host + factors, self._device).view(2, -1, self.count)
+            else:
+                weights = (self._counts > 0).double() if item_sum else self._counts
+                scaled = weights * self._scale
+            rows = self._rows[item_sum, dtype] = (weights.unbind(0), scaled.to(dtype).unbind(0))
         return rows
 
     def device_fields(self, window: Window) -> dict[Slot, Tensor]:
