@@ -272,7 +272,7 @@ def local_sums(
                     else:
                         step = read_output(pl_module.training_step(*args))
             losses = [step.parts.get(name) if step.parts else None for name in names] if names else [step.loss]
-            if any(loss is None or loss.grad_fn is None for loss in losses):
+            if any(loss is None or not loss.requires_grad for loss in losses):
                 continue  # Lightning skips a `None` step; a loss without a graph fails its own backward
             if weighted is not None:  # the strategy's count rule, read on the host, as training never does
                 counted = weighted.counts_of(step, microbatch.batch)

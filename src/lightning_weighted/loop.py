@@ -146,15 +146,17 @@ class WindowLoop:
         """Whether a window has microbatches that no exchange has ended yet."""
         return self._window is not None
 
-    def plan(self, rows: Sequence[Counts], totals: Sequence[float | Tensor] | None = None) -> Sequence[float | Tensor]:
+    def plan(
+        self, rows: Sequence[Counts], totals: Sequence[float | Tensor] | Tensor | None = None
+    ) -> Sequence[float | Tensor] | Tensor:
         """Counts the next window ahead: each microbatch's counts and each part's N (``totals``, else one SUM now).
 
-        Returns the N.
+        Returns the N (a vector on the device where they were summed now).
         """
         if self._window is not None:
             raise RuntimeError("a window's counts were handed over while a window is open: once per window, first")
         if totals is None:
-            totals = list(summed_counts(rows, len(self.parts) or 1, self.device, self.engine.group))
+            totals = summed_counts(rows, len(self.parts) or 1, self.device, self.engine.group)
         divisor, size = self.engine.divisor, self.ranks * len(rows)  # P M
         parts = Parts(rows, totals, divisor, self.device) if self.parts else None
         self._window = Window(total=None if parts else totals[0], divisor=divisor, microbatches=size, parts=parts)
@@ -172,8 +174,10 @@ class WindowLoop:
         window = self._open(None if replay else output.count)
         self._typical.microbatches += 1
         planned = self._planned.popleft() if self._planned else None
-        losses = list(map((output.parts or {}).get, self.parts)) if self.parts else [output.loss]
-        problem = None if replay else _problem(output, losses, len(self.parts), planned is not None)
+        given = output.parts or {}  # each counted part's loss in the counted order (None where missing), else the loss
+        same = bool(self.parts) and tuple(given) == self.parts  # named as counted, in order: taken whole, no lookups
+        losses = list(given.values() if same else map(given.get, self.parts)) if self.parts else [output.loss]
+        problem = None if replay else _problem(output, losses, len(self.parts), planned is not None, same)
         count = planned.part(0) if planned is not None and not self.parts else output.count
         if planned is not None and problem is None and not replay:  # a count given, or counted again, must agree
             if output.count is not None:
@@ -275,8 +279,8 @@ class WindowLoop:
         return result
 
 
-def _problem(output: Output, losses: list[Tensor | None], parts: int, ahead: bool) -> Problem | None:
-    """What keeps a microbatch's output from being weighted, if anything (``losses``: each counted part's, else its)."""
+def _problem(output: Output, losses: list[Tensor | None], parts: int, ahead: bool, same: bool) -> Problem | None:
+    """What keeps a microbatch's output from being weighted, if anything (``same``: its parts came as counted)."""
     if output.problem is not None:
         return output.problem
     named = output.parts is not None or parts > 0
@@ -284,9 +288,11 @@ def _problem(output: Output, losses: list[Tensor | None], parts: int, ahead: boo
         return Problem.PARTS_AFTER
     if named and (output.parts is None or len(output.parts) != parts or output.count is not None):
         return Problem.PARTS
-    if not all(map(isinstance, losses, repeat(Tensor))):  # as many names as counted, so one missing is another
+    if not same and not all(map(isinstance, losses, repeat(Tensor))):  # as many names as counted: one lost, one new
         return Problem.PARTS if parts else Problem.NO_LOSS
-    return Problem.NO_GRAPH if None in map(attrgetter("grad_fn"), losses) else None  # every part's is there
+    if parts:  # each part on the graph (a part's flag is read, not its node, which Python would wrap)
+        return None if all(map(attrgetter("requires_grad"), losses)) else Problem.NO_GRAPH
+    return Problem.NO_GRAPH if losses[0].grad_fn is None else None  # type: ignore[union-attr]  # a Tensor
 
 
 def _total(tensors: Iterable[Tensor | None]) -> Tensor | None:

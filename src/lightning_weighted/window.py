@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 from array import array
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from functools import cache, partial
+from functools import cache, partial, reduce
 from itertools import chain, compress, cycle, repeat
-from operator import attrgetter, mul, truediv
+from operator import add, attrgetter, mul, truediv
 from typing import NamedTuple, cast
 
 import torch
@@ -222,9 +223,11 @@ def read_counts(values: Sequence[object], integer: Sequence[bool], host: bool = 
     if host:
         values = [v.item() if isinstance(v, Tensor) and v.numel() == 1 else v for v in values]
     types = set(map(type, values))
+    if types == _INT and min(cast("Sequence[int]", values)) >= 0:  # whole and finite (an int is some count)
+        return Counts(tuple(map(float, cast("Sequence[int]", values))))
     if types <= _NUMBERS:
         floats = tuple(map(float, cast("Sequence[float]", values)))
-        whole = types == _INT or all(map(float.is_integer, compress(floats, integer)))
+        whole = all(map(float.is_integer, compress(floats, integer)))
         if math.isfinite(sum(floats)) and min(floats, default=0.0) >= 0 and whole:  # a finite sum: no NaN, no inf
             return Counts(floats)
     each = list(map(read_count, values, integer, repeat(host)))
@@ -236,8 +239,8 @@ def host_items(rows: Sequence[Counts], parts: int = 1) -> list[float]:
     """Each part's sum of the ``rows``' valid counts on the host (a count on a device, or invalid, adds 0 here)."""
     if any(map(attrgetter("problems"), rows)):
         rows = [Counts(tuple(v if isinstance(v, float) else 0.0 for v in map(valid_count, row.each()))) for row in rows]
-    columns = zip(*map(attrgetter("values"), rows), strict=True)  # part by part
-    return cast("list[float]", list(map(sum, columns))) or [0.0] * parts
+    values = map(attrgetter("values"), rows)  # each row's counts added to the sum of the rows before it, part by part
+    return cast("list[float]", list(reduce(partial(map, add), values))) if rows else [0.0] * parts
 
 
 @dataclass(frozen=True)
@@ -472,7 +475,7 @@ class Parts:
     """
 
     def __init__(
-        self, rows: Sequence[Counts], totals: Sequence[float | Tensor], divisor: int, device: torch.device
+        self, rows: Sequence[Counts], totals: Sequence[float | Tensor] | Tensor, divisor: int, device: torch.device
     ) -> None:
         self.count = parts = len(totals)
         self.microbatches = len(rows)
@@ -489,7 +492,8 @@ class Parts:
         self._device = device
         self._rows: dict[tuple[bool, torch.dtype], tuple[Sequence[Tensor], ...]] = {}  # by item sum and dtype
         self._held: list[tuple[Tensor, Tensor]] = []  # each microbatch's weights and losses, as backpropagated
-        if set(map(type, totals)) <= {float} and (not flat or set(map(type, valid)) <= {float}):  # all on the host
+        host = not flat or set(map(type, valid)) <= {float}  # every count a number on the host
+        if host and not isinstance(totals, Tensor) and set(map(type, totals)) <= {float}:  # the N too
             self._host: list[float] | None = cast("list[float]", valid)  # then each part's D / N_k
             self._scale: list[float] | Tensor = [divisor / t if t > 0 else 0.0 for t in cast("list[float]", totals)]
             self.items = host_items(rows, parts)
@@ -498,8 +502,9 @@ class Parts:
             self.some_empty = min(self._host, default=1.0) <= 0
             return
         as_tensor = partial(torch.as_tensor, dtype=torch.float64, device=device)
-        self._counts = torch.stack([as_tensor(v) for v in valid]).view(-1, parts)
-        total = torch.stack([as_tensor(t) for t in totals])
+        counts = host_tensor(cast("list[float]", valid), device) if host else torch.stack(list(map(as_tensor, valid)))
+        self._counts = counts.view(-1, parts)  # copied at once where they are numbers, as the N where it is a vector
+        total = as_tensor(totals) if isinstance(totals, Tensor) else torch.stack(list(map(as_tensor, totals)))
         self._scale = torch.where(total > 0, divisor / total, 0.0)
         self.items, self._host, self.some_empty = [0.0] * parts, None, True
         self.device_items = self._counts.sum(0)
@@ -600,11 +605,16 @@ def window_result(values: Sequence[float], step: int, names: Sequence[str] = ())
 
 def host_tensor(values: list[float], device: torch.device) -> Tensor:
     """A float64 vector of host values on ``device``, copied without the host waiting (pinned, non-blocking)."""
-    packed = array("d", values)  # torch takes the packed doubles whole, rather than each float of a list in turn
+    packed = array("d", _packer(len(values))(*values))  # packed whole: torch takes no float of a list in turn
     vector = torch.frombuffer(packed, dtype=torch.float64) if packed else torch.zeros(0, dtype=torch.float64)
     if device.type == "cuda":
         vector = vector.pin_memory()
     return vector.to(device, non_blocking=True)
+
+
+@cache
+def _packer(size: int) -> Callable[..., bytes]:  # `size` floats as doubles in one C pass (an array parses each)
+    return struct.Struct(f"{size}d").pack
 
 
 @cache

@@ -193,7 +193,7 @@ def test_each_loss_part_is_averaged_over_its_own_count_and_the_result_holds_each
     loop = WindowLoop(_Engine(w), CPU, TRAINER, parts=("text", "image"))
     loop.plan([Counts((3.0, 0.0)), Counts((1.0, 2.0))])  # each microbatch's counts of the two parts
     for text, image in ((2.0, 5.0), (4.0, 1.0)):  # each part's mean loss at w = 1 (and its gradient)
-        parts = {"text": w * text, "image": w * image}
+        parts = {"text": w * text, "image": w * image} if text < 3 else {"image": w * image, "text": w * text}
         loop.add(read_output({"loss": parts["text"] + parts["image"], "parts": parts}))
         loop.backward_loss(None).backward()
     result = loop.finish(step=0)
@@ -252,3 +252,15 @@ def test_loss_parts_whose_names_differ_from_the_counted_ones_or_that_came_counte
     after.backward_loss(w * 3.0).backward()
     with pytest.raises(ValueError, match=r"on rank 0, training_step returned loss parts \('parts'\), each a mean"):
         after.finish(step=0)
+
+
+def test_every_loss_part_must_be_attached_to_the_graph(one_rank):
+    w = nn.Parameter(torch.tensor(1.0))
+    loop = WindowLoop(_Engine(w), CPU, TRAINER, parts=("text", "image"))
+    loop.plan([Counts((2.0, 1.0)), Counts((2.0, 1.0))])
+    for image in (w * 3.0, torch.zeros(())):  # the second microbatch's image part a constant
+        parts = {"text": w * 1.0, "image": image}
+        loop.add(read_output({"loss": parts["text"] + parts["image"], "parts": parts}))
+        loop.backward_loss(None).backward()
+    with pytest.raises(RuntimeError, match=r"on rank 0, training_step returned a loss that is not attached to the"):
+        loop.finish(step=0)

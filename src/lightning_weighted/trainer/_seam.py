@@ -72,7 +72,7 @@ class BatchState:
     loader: int = 0
     ends_window: bool = False
     skipped: bool = False
-    plan: tuple[list[Counts], Sequence[float | Tensor]] | None = None
+    plan: tuple[list[Counts], Sequence[float | Tensor] | Tensor] | None = None
 
 
 class Seam:
