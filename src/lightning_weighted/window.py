@@ -490,8 +490,8 @@ class Parts:
         self.device_items: Tensor | None = None
         self.checks: list[_Held] = []  # the counts on a device, checked there by the window (and TOO_LARGE)
         self._device = device
-        self._rows: dict[tuple[bool, torch.dtype], tuple[Sequence[Tensor], ...]] = {}  # by item sum and dtype
-        self._held: list[tuple[Tensor, Tensor]] = []  # each microbatch's weights and losses, as backpropagated
+        self._tables: dict[tuple[bool, torch.dtype], tuple[Tensor, Sequence[Tensor]]] = {}  # by item sum and dtype
+        self._held: list[tuple[int, Tensor, Tensor]] = []  # each microbatch, its weights' table, its losses
         host = not flat or set(map(type, valid)) <= {float}  # every count a number on the host
         if host and not isinstance(totals, Tensor) and set(map(type, totals)) <= {float}:  # the N too
             self._host: list[float] | None = cast("list[float]", valid)  # then each part's D / N_k
@@ -521,23 +521,23 @@ class Parts:
         if self.some_empty and host is not None and not any(host[microbatch * size : (microbatch + 1) * size]):
             window.empty(losses)
             return 0.0, losses
-        weights, factors = self._table_rows(item_sum, losses.dtype)
-        self._held.append((weights[microbatch], losses.detach()))
-        return 1.0, (losses * factors[microbatch]).sum()
+        weights, factors = self._table(item_sum, losses.dtype)
+        self._held.append((microbatch, weights, losses.detach()))
+        return 1.0, torch.dot(losses, factors[microbatch])
 
-    def _table_rows(self, item_sum: bool, dtype: torch.dtype) -> tuple[Sequence[Tensor], ...]:
-        """Each microbatch's weights (a mean's its count, a sum's 1 where it counts any) and factors, once a window."""
-        rows = self._rows.get((item_sum, dtype))
-        if rows is None:
+    def _table(self, item_sum: bool, dtype: torch.dtype) -> tuple[Tensor, Sequence[Tensor]]:
+        """The weights (a mean's its count, a sum's 1 where it counts any) and each microbatch's factors, once."""
+        table = self._tables.get((item_sum, dtype))
+        if table is None:
             if self._host is not None:  # the weights and factors copied to the device at once
                 host = list(map(float, map(bool, self._host))) if item_sum else self._host
                 factors = list(map(mul, host, cycle(cast("list[float]", self._scale))))
-                weights, scaled = host_tensor(host + factors, self._device).view(2, -1, self.count)
+                weights, scaled = host_tensor(host + factors, self._device).view(2, -1, self.count).unbind(0)
             else:
                 weights = (self._counts > 0).double() if item_sum else self._counts
-                scaled = weights * self._scale
-            rows = self._rows[item_sum, dtype] = (weights.unbind(0), scaled.to(dtype).unbind(0))
-        return rows
+                scaled = weights * cast("Tensor", self._scale)
+            table = self._tables[item_sum, dtype] = (weights, scaled.to(dtype).unbind(0))
+        return table
 
     def device_fields(self, window: Window) -> dict[Slot, Tensor]:
         """The payload's fields on a device, a vector each; a loss of weight 0 adds 0 (``window`` notes it)."""
@@ -546,8 +546,10 @@ class Parts:
             fields[Slot.ITEMS] = fields[Slot.LOCAL] = self.device_items
         if not self._held:
             return fields
-        losses = torch.stack([loss for _, loss in self._held]).double()
-        weights = torch.stack([weights for weights, _ in self._held])
+        rows, tables, held = zip(*self._held, strict=True)
+        losses, table = torch.stack(held), tables[0]  # times float64 weights: float64
+        whole = rows == tuple(range(self.microbatches)) and all(t is table for t in tables)  # each microbatch once
+        weights = table if whole else torch.stack([t[m] for m, t in zip(rows, tables, strict=True)])
         if not self.some_empty:
             fields[Slot.LOSS] = (losses * weights).sum(0)
             return fields
@@ -604,12 +606,12 @@ def window_result(values: Sequence[float], step: int, names: Sequence[str] = ())
 
 
 def host_tensor(values: list[float], device: torch.device) -> Tensor:
-    """A float64 vector of host values on ``device``, copied without the host waiting (pinned, non-blocking)."""
+    """A float64 vector of host values on ``device``: on a CPU the packed values, else a non-blocking copy."""
     packed = array("d", _packer(len(values))(*values))  # packed whole: torch takes no float of a list in turn
     vector = torch.frombuffer(packed, dtype=torch.float64) if packed else torch.zeros(0, dtype=torch.float64)
-    if device.type == "cuda":
-        vector = vector.pin_memory()
-    return vector.to(device, non_blocking=True)
+    if device.type == "cpu":
+        return vector
+    return (vector.pin_memory() if device.type == "cuda" else vector).to(device, non_blocking=True)
 
 
 @cache
