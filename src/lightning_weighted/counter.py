@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from operator import attrgetter
 from typing import Any, Literal
 
 import torch  # noqa: F401  (the examples in the docstrings build their batches with it)
@@ -120,6 +119,7 @@ class ItemCounter(Callback):
         self.count, self.key, self.ignore_index, self.mask, self.shift = count, key, ignore_index, mask, shift
         self.integer = count in ("examples", "tokens") if integer is None else integer
         self.parts = {str(n): p if isinstance(p, ItemCounter) else ItemCounter(p) for n, p in (parts or {}).items()}
+        self._integers = [c.integer for c in self.parts.values()] or [self.integer]  # each count's rule, once
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -145,9 +145,9 @@ class ItemCounter(Callback):
         ``host``: read the counts on the host (a batch the loader yielded, before it moves). ``combined``: the batch
         combines several loaders' batches, each counted by a preset.
         """
-        counters = list(self.parts.values()) or [self]
+        counters = self.parts.values() or (self,)
         values = [c._combined(batch) if combined else c.count_of(batch) for c in counters]
-        return read_counts(values, list(map(attrgetter("integer"), counters)), host)
+        return read_counts(values, self._integers, host)
 
     def _combined(self, batch: Any) -> int | float | Tensor:
         if callable(self.count):

@@ -301,6 +301,7 @@ def at(slot: Slot, parts: int = 1) -> slice:
 
 
 _Held = tuple[Tensor, Tensor, Tensor | None, bool | None]  # a device count: n, its problem, its loss, an item sum
+_HELD = 64  # a window holds at most this many losses of host counts before it weighs them (an evaluation's epoch)
 
 
 class Window:
@@ -322,7 +323,9 @@ class Window:
         [0.0, 0.0, 0.0, 6.0, 0.0, 24.0, 6.0]
     """
 
-    __slots__ = ("_device", "_tensors", "divisor", "items", "microbatches", "parts", "problem", "scale", "total")
+    __slots__ = (
+        "_device", "_held", "_tensors", "divisor", "items", "microbatches", "parts", "problem", "scale", "total",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -336,6 +339,7 @@ class Window:
         self.items = 0.0  # Σ n of host counts
         self.problem = parts.problem if parts is not None else None  # the first problem known on the host
         self._device: dict[Slot, Tensor] = {}  # fields summed on the device: Σ n·loss of host counts, NAN_EMPTY
+        self._held: tuple[list[Tensor], list[float]] = ([], [])  # host counts' losses, weighted as the window ends
         self._tensors: list[_Held] = list(parts.checks) if parts is not None else []  # a checked count: no loss
 
     @property
@@ -369,9 +373,25 @@ class Window:
         self.items += n
         weight = 1.0 if item_sum else n
         if loss is not None:
-            value, held = loss.detach().sum().double() * weight, self._device.get(Slot.LOSS)
-            self._device[Slot.LOSS] = value if held is None else held + value
+            losses, weights = self._held
+            losses.append(loss.detach() if loss.dim() == 0 else loss.detach().sum())
+            weights.append(weight)
+            if len(losses) == _HELD:
+                self._weigh_held()
         return weight
+
+    def _weigh_held(self) -> None:
+        """Adds the held losses, times their weights, into the window's loss: one product for the lot."""
+        losses, weights = self._held
+        if not losses:
+            return
+        if len(losses) == 1:
+            value = losses[0].double() * weights[0]
+        else:  # the losses cast once and weighted by a float64 vector of the weights
+            value = torch.dot(torch.stack(losses).double(), host_tensor(weights, losses[0].device))
+        held = self._device.get(Slot.LOSS)
+        self._device[Slot.LOSS] = value if held is None else held + value
+        self._held = ([], [])
 
     def check(self, given: Count, planned: Count, problem: Problem = Problem.DISAGREES) -> None:
         """Records ``problem`` where a count taken again differs from the planned one (a tensor, on its device)."""
@@ -423,6 +443,7 @@ class Window:
 
     def device_fields(self) -> dict[Slot, Tensor]:
         """The payload's fields that live on a device, in one pass over the window's device counts."""
+        self._weigh_held()
         fields = dict(self._device)
         if not self._tensors:
             return fields

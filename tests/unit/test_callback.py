@@ -143,7 +143,8 @@ def test_item_counter_is_a_specification_whose_only_hook_is_the_setup_check():
     hooks = {name for name in vars(Callback) if name.startswith("on_") or name in ("teardown", "state_dict")}
     assert {name for name in vars(ItemCounter) if name in hooks | {"setup", "load_state_dict"}} == {"setup"}
     counter = ItemCounter("tokens", key="labels", shift=True)
-    assert set(vars(counter)) == {"count", "key", "ignore_index", "mask", "shift", "integer", "parts"}
+    spec = {"count", "key", "ignore_index", "mask", "shift", "integer", "parts"}
+    assert set(vars(counter)) == spec | {"_integers"}  # each count's `integer`, read from the specification once
     assert counter.parts == {} and counter.names == ()  # one loss
     assert counter.state_dict() == {}  # nothing in a checkpoint
 

@@ -160,6 +160,22 @@ def test_a_one_element_loss_of_any_shape_is_summed_into_the_window_loss():
     assert payload([window], True, CPU)[Slot.LOSS] == 3.0
 
 
+@pytest.mark.parametrize("microbatches", [1, 4, 64, 150])  # the losses held, weighed at the end or in blocks
+def test_the_window_loss_weighs_every_microbatchs_loss_once_whatever_its_shape_dtype_or_number(microbatches):
+    rng = random.Random(microbatches)
+    window, expected = Window(), 0.0
+    for m in range(microbatches):
+        n, item_sum = float(rng.choice([0, 1, 3, 17])), rng.random() < 0.3
+        dtype, shape = rng.choice([torch.float32, torch.float16, torch.float64]), rng.choice([(), (1,), (1, 1)])
+        loss = torch.full(shape, math.nan if n == 0 else rng.uniform(-4, 4), dtype=dtype)  # 0/0 where nothing counts
+        weight = window.add(Count(n), loss=loss, item_sum=item_sum)
+        expected += 0.0 if n == 0 else float(loss.sum()) * (1.0 if item_sum else n)
+        assert weight == (0.0 if n == 0 else 1.0 if item_sum else n), m
+    first, again = payload([window], True, CPU)[Slot.LOSS], payload([window], True, CPU)[Slot.LOSS]
+    assert float(first) == float(again) == pytest.approx(expected, rel=1e-13, abs=1e-13)
+    assert first.dtype == torch.float64
+
+
 def test_a_window_without_items_gives_n_zero_and_a_nan_loss():
     window = Window()
     assert window.add(Count(0.0), loss=torch.tensor(math.nan)) == 0.0  # a fully masked microbatch: 0/0
