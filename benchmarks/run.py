@@ -211,7 +211,8 @@ def instructions(args: argparse.Namespace) -> None:
         subprocess.run(command, input=_REQUESTS, check=True)
         env = {**os.environ, "PYTHONWARNINGS": "ignore", "LW_CALLGRIND_REQUESTS": str(folder / "requests.so")}
         env |= {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "LOCAL_RANK": "0"}  # Lightning: no launch
-        env["PYTHONPATH"] = str(HERE.parent / "examples")
+        # the examples' modules, then the caller's path: `PYTHONPATH=<checkout>/src` measures another checkout
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(HERE.parent / "examples"), os.environ.get("PYTHONPATH"))))
         for size in args.sizes.split(","):
             for accumulate in args.accumulate.split(","):
                 runs = [",".join(names)] if args.level == "raw" else names  # one process per fit

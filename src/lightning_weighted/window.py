@@ -360,11 +360,13 @@ class Window:
             self.reject(problem, n if isinstance(n, float) else math.nan)
             return 0.0
         if isinstance(n, Tensor) or isinstance(problem, Tensor):
-            n = torch.as_tensor(n, dtype=torch.float64, device=problem.device if problem is not None else None)
+            if not isinstance(n, Tensor) or n.dtype is not torch.float64:  # `read_count` gives float64 already
+                n = torch.as_tensor(n, dtype=torch.float64, device=problem.device if problem is not None else None)
             problem = problem if problem is not None else torch.zeros_like(n)
             self._tensors.append((n, problem, None if loss is None else loss.detach(), item_sum))
-            valid = (problem == 0) & (n > 0)
-            return valid.double() if item_sum else torch.where(valid, n, 0.0)
+            if item_sum:
+                return ((problem == 0) & (n > 0)).double()
+            return torch.where(problem == 0, n, 0.0)  # a valid count weighs itself, 0 included
         if n == 0:
             return 0.0  # exactly nothing, also from the NaN mean of a fully masked microbatch
         if self.items + n >= MAX_ITEMS:
