@@ -456,15 +456,18 @@ class Window:
         if not kept:
             return fields  # checks only: the counts are the planned ones, on the host
         fields[Slot.ITEMS] = fields[Slot.LOCAL] = counted.sum()
-        if any(self._tensors[k][2] is not None for k in kept):
-            zero, counted = n.new_zeros(()), counted[kept]
-            losses = torch.stack([zero if (x := self._tensors[k][2]) is None else x.sum() for k in kept]).double()
-            sums = torch.tensor([self._tensors[k][3] for k in kept], device=n.device)
-            valid = counted > 0
-            weights = torch.where(sums, valid.double(), counted)
+        given = [self._tensors[k][2] for k in kept]
+        if any(x is not None for x in given):
+            counted = counted if len(kept) == len(self._tensors) else counted[kept]
+            losses = torch.stack([n.new_zeros(()) if x is None else x if x.dim() == 0 else x.sum() for x in given])
+            losses, sums, valid = losses.double(), [self._tensors[k][3] for k in kept], counted > 0
+            weights = counted  # a mean's count; a sum's 1 where it counts any
+            if any(sums):
+                weights = torch.where(torch.tensor(sums, device=n.device), valid.double(), counted)
             loss = torch.where(valid, losses * weights, 0.0).sum()  # an inf loss of no count: 0
             fields[Slot.LOSS] = loss if Slot.LOSS not in fields else fields[Slot.LOSS] + loss
-            nan_empty = (~torch.isfinite(torch.where(valid, 0.0, losses).sum())).double()
+            empty = torch.where(valid, 0.0, losses).sum()
+            nan_empty = (empty - empty).isnan().double()  # a non-finite sum less itself is NaN
             held = fields.get(Slot.NAN_EMPTY)
             fields[Slot.NAN_EMPTY] = nan_empty if held is None else torch.maximum(held, nan_empty)
         return fields
@@ -473,8 +476,10 @@ class Window:
 def _stacked(tensors: list[_Held], host_items: float) -> tuple[Tensor, Tensor, Tensor]:
     """The device counts, what each adds to N, and the first [problem, value] (else TOO_LARGE where N reaches 2**53)."""
     n, problems = torch.stack([t[0] for t in tensors]), torch.stack([t[1] for t in tensors])
-    counts = torch.tensor([t[3] is not None for t in tensors], device=n.device)
-    counted = torch.where((problems == 0) & (n > 0) & counts, n, 0.0)
+    valid = problems == 0  # a valid count of 0 adds 0 all the same
+    if any(t[3] is None for t in tensors):  # a check's count (a planned count on the host) adds nothing
+        valid &= torch.tensor([t[3] is not None for t in tensors], device=n.device)
+    counted = torch.where(valid, n, 0.0)
     first, total = (problems > 0).double().argmax(), counted.sum() + host_items  # the first microbatch if none
     kind, value = torch.take(problems, first), torch.take(n, first)
     too_large = (kind == 0) & (total >= MAX_ITEMS)
