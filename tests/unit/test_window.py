@@ -253,6 +253,17 @@ def test_a_count_on_the_device_is_checked_weighted_and_summed_there_without_a_re
     assert window.problem_row(CPU).as_subclass(Tensor).tolist() == [Problem.NEGATIVE, -2.0]  # gathered on error
 
 
+@pytest.mark.parametrize("sums", [(False, False), (True, True), (True, False)])
+def test_device_counts_weigh_a_mean_by_its_count_a_sum_by_one_and_a_check_adds_no_item(sums):
+    window, given = Window(), list(zip([(3.0, 6.0), (2.0, 1.5)], sums, strict=True))
+    for (n, loss), item_sum in given:
+        window.add(read_count(device(n)), loss=torch.tensor(loss), item_sum=item_sum)
+    window.check(read_count(device(5)), read_count(device(5)))  # a count taken again, agreeing: checked, not counted
+    vector = payload([window], True, CPU).as_subclass(Tensor)
+    expected = sum(loss if item_sum else n * loss for (n, loss), item_sum in given)  # a sum weighs 1, a mean n
+    assert (vector[Slot.ITEMS], vector[Slot.LOSS], vector[Slot.INVALID]) == (5.0, expected, 0.0)
+
+
 @pytest.mark.parametrize(
     ("value", "expected"),
     [
