@@ -301,7 +301,12 @@ def at(slot: Slot, parts: int = 1) -> slice:
 
 
 _Held = tuple[Tensor, Tensor, Tensor | None, bool | None]  # a device count: n, its problem, its loss, an item sum
-_HELD = 64  # a window holds at most this many losses of host counts before it weighs them (an evaluation's epoch)
+_MOST_HELD = 64  # a window holds at most this many losses of host counts before it weighs them (an evaluation's epoch)
+
+
+def _detached(loss: Tensor) -> Tensor:
+    """A one-element loss as the window holds it: detached, 0-dim (summed only where it has dimensions)."""
+    return loss.detach() if loss.dim() == 0 else loss.detach().sum()
 
 
 class Window:
@@ -363,7 +368,7 @@ class Window:
             if not isinstance(n, Tensor) or n.dtype is not torch.float64:  # `read_count` gives float64 already
                 n = torch.as_tensor(n, dtype=torch.float64, device=problem.device if problem is not None else None)
             problem = problem if problem is not None else torch.zeros_like(n)
-            self._tensors.append((n, problem, None if loss is None else loss.detach(), item_sum))
+            self._tensors.append((n, problem, None if loss is None else _detached(loss), item_sum))
             if item_sum:
                 return ((problem == 0) & (n > 0)).double()
             return torch.where(problem == 0, n, 0.0)  # a valid count weighs itself, 0 included
@@ -376,9 +381,9 @@ class Window:
         weight = 1.0 if item_sum else n
         if loss is not None:
             losses, weights = self._held
-            losses.append(loss.detach() if loss.dim() == 0 else loss.detach().sum())
+            losses.append(_detached(loss))
             weights.append(weight)
-            if len(losses) == _HELD:
+            if len(losses) == _MOST_HELD:
                 self._weigh_held()
         return weight
 
@@ -459,7 +464,7 @@ class Window:
         given = [self._tensors[k][2] for k in kept]
         if any(x is not None for x in given):
             counted = counted if len(kept) == len(self._tensors) else counted[kept]
-            losses = torch.stack([n.new_zeros(()) if x is None else x if x.dim() == 0 else x.sum() for x in given])
+            losses = torch.stack([n.new_zeros(()) if x is None else x for x in given])
             losses, sums, valid = losses.double(), [self._tensors[k][3] for k in kept], counted > 0
             weights = counted  # a mean's count; a sum's 1 where it counts any
             if any(sums):
