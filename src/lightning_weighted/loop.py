@@ -260,10 +260,8 @@ class WindowLoop:
         window, exchange, backward = self._window, self._exchange, self._backward
         self._window, self._planned, self._exchange, self._backward = None, deque(), None, False
         assert window is not None and exchange is not None
-        if backward and not window.ahead:  # one loss, counted after: the gradients times D c / N
-            items = exchange.items()[0]
-            scale = torch.where(items > 0, self.engine.divisor / items, 0.0) * window.scale
-            multiply_gradients(self.engine.parameters(), scale)
+        if backward and not window.ahead:  # one loss, counted after: the gradients times D c / N (N = 0: dropped)
+            multiply_gradients(self.engine.parameters(), self.engine.divisor * window.scale / exchange.items()[0])
         values = exchange.read(self.wording)
         names = self.parts if window.parts is not None else ()
         result = self.last_window = window_result(values, step, names)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import numbers
 import struct
+import sys
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -168,10 +169,10 @@ def read_count(value: object, integer: bool = False, host: bool = False) -> Coun
             return Count(math.nan, Problem.NOT_A_NUMBER)
         if host:
             return read_count(value.item(), integer)
-        tensor = value.detach().reshape(()).double()
-        finite = tensor.abs() < math.inf  # NaN too is not
-        negative = torch.where(tensor < 0, float(Problem.NEGATIVE), torch.zeros_like(tensor))
-        problem = torch.where(finite, negative, float(Problem.NOT_FINITE))
+        tensor = value if value.dim() == 0 else value.reshape(())
+        tensor = (tensor.detach() if tensor.requires_grad else tensor).double()
+        edges, codes = _buckets(tensor.device)  # -inf, [-max, 0), [0, inf), then inf and NaN
+        problem = codes.take(torch.searchsorted(edges, tensor, right=True))
         if integer and value.is_floating_point():  # the first failing check wins
             problem = torch.where((problem == 0) & (tensor != tensor.floor()), float(Problem.FRACTIONAL), problem)
         return Count(tensor, problem)
@@ -185,6 +186,14 @@ def read_count(value: object, integer: bool = False, host: bool = False) -> Coun
     if integer and not number.is_integer():
         return Count(number, Problem.FRACTIONAL)
     return Count(number)
+
+
+@cache
+def _buckets(device: torch.device) -> tuple[Tensor, Tensor]:
+    """Where a count lies among ``[-max, 0, inf]`` (NaN past them all), and each interval's problem code."""
+    edges = torch.tensor([-sys.float_info.max, 0.0, math.inf], dtype=torch.float64, device=device)
+    codes = [Problem.NOT_FINITE, Problem.NEGATIVE, 0, Problem.NOT_FINITE]
+    return edges, torch.tensor(codes, dtype=torch.float64, device=device)
 
 
 def valid_count(count: Count | None) -> float | Tensor:
@@ -300,7 +309,8 @@ def at(slot: Slot, parts: int = 1) -> slice:
     return slice(start, start + (1 if shared else parts))
 
 
-_Held = tuple[Tensor, Tensor, Tensor | None, bool | None]  # a device count: n, its problem, its loss, an item sum
+# a device count: n, its problem, what it adds to N (None: a check's count), its loss, an item sum
+_Held = tuple[Tensor, Tensor, Tensor | None, Tensor | None, bool | None]
 _MOST_HELD = 64  # a window holds at most this many losses of host counts before it weighs them (an evaluation's epoch)
 
 
@@ -368,10 +378,9 @@ class Window:
             if not isinstance(n, Tensor) or n.dtype is not torch.float64:  # `read_count` gives float64 already
                 n = torch.as_tensor(n, dtype=torch.float64, device=problem.device if problem is not None else None)
             problem = problem if problem is not None else torch.zeros_like(n)
-            self._tensors.append((n, problem, None if loss is None else _detached(loss), item_sum))
-            if item_sum:
-                return ((problem == 0) & (n > 0)).double()
-            return torch.where(problem == 0, n, 0.0)  # a valid count weighs itself, 0 included
+            counted = torch.where(problem == 0, n, 0.0)  # a valid count weighs itself, 0 included
+            self._tensors.append((n, problem, counted, None if loss is None else _detached(loss), item_sum))
+            return (counted > 0).double() if item_sum else counted
         if n == 0:
             return 0.0  # exactly nothing, also from the NaN mean of a fully masked microbatch
         if self.items + n >= MAX_ITEMS:
@@ -411,7 +420,7 @@ class Window:
             n = torch.as_tensor(given.value, dtype=torch.float64, device=tensor.device)
             kind = given.problem if isinstance(given.problem, Tensor) else torch.zeros_like(n)
             differs = (n != planned.value) & (kind == 0) & (planned.problem is None or planned.problem == 0)
-            self._tensors.append((n, torch.where(differs, float(problem), kind), None, None))
+            self._tensors.append((n, torch.where(differs, float(problem), kind), None, None, None))
         elif given.value != planned.value:
             self.reject(problem, float(given.value))
 
@@ -446,7 +455,7 @@ class Window:
             return torch.tensor([float(self.problem[0]), self.problem[1]], dtype=torch.float64, device=device)
         if not self._tensors:
             return torch.zeros(2, dtype=torch.float64, device=device)
-        return _stacked(self._tensors, self.items)[2].to(device)
+        return _first_problem(self._tensors, self.items).to(device)
 
     def device_fields(self) -> dict[Slot, Tensor]:
         """The payload's fields that live on a device, in one pass over the window's device counts."""
@@ -454,42 +463,42 @@ class Window:
         fields = dict(self._device)
         if not self._tensors:
             return fields
-        n, counted, first = _stacked(self._tensors, self.items)
-        if self.problem is None:
-            fields[Slot.INVALID] = (first[0] > 0).double()
-        kept = [k for k, (*_, item_sum) in enumerate(self._tensors) if item_sum is not None]
-        if not kept:
+        held = [t for t in self._tensors if t[2] is not None]  # a check's count (a planned one) adds nothing
+        counted = torch.stack(cast("list[Tensor]", [t[2] for t in held])) if held else None
+        items = counted.sum() if counted is not None else None
+        if self.problem is None:  # 1 where a count is invalid or N reaches 2**53; `problem_row` tells which
+            invalid = torch.stack([t[1] for t in self._tensors]).amax()
+            if items is not None:
+                invalid = invalid + ((items + self.items if self.items else items) >= MAX_ITEMS)
+            fields[Slot.INVALID] = invalid.clamp(max=1.0)
+        if counted is None or items is None:
             return fields  # checks only: the counts are the planned ones, on the host
-        fields[Slot.ITEMS] = fields[Slot.LOCAL] = counted.sum()
-        given = [self._tensors[k][2] for k in kept]
+        fields[Slot.ITEMS] = fields[Slot.LOCAL] = items
+        given = [t[3] for t in held]
         if any(x is not None for x in given):
-            counted = counted if len(kept) == len(self._tensors) else counted[kept]
-            losses = torch.stack([n.new_zeros(()) if x is None else x for x in given])
-            losses, sums, valid = losses.double(), [self._tensors[k][3] for k in kept], counted > 0
+            losses = torch.stack([counted.new_zeros(()) if x is None else x for x in given]).double()
+            sums, valid = [t[4] for t in held], counted > 0
             weights = counted  # a mean's count; a sum's 1 where it counts any
             if any(sums):
-                weights = torch.where(torch.tensor(sums, device=n.device), valid.double(), counted)
-            loss = torch.where(valid, losses * weights, 0.0).sum()  # an inf loss of no count: 0
+                weights = torch.where(torch.tensor(sums, device=counted.device), valid.double(), counted)
+            loss = torch.dot(torch.where(valid, losses, 0.0), weights)  # an inf loss of no count: 0
             fields[Slot.LOSS] = loss if Slot.LOSS not in fields else fields[Slot.LOSS] + loss
-            empty = torch.where(valid, 0.0, losses).sum()
-            nan_empty = (empty - empty).isnan().double()  # a non-finite sum less itself is NaN
-            held = fields.get(Slot.NAN_EMPTY)
-            fields[Slot.NAN_EMPTY] = nan_empty if held is None else torch.maximum(held, nan_empty)
+            empty = torch.dot(torch.where(valid, 0.0, losses), counted)  # NaN where a loss counted 0 is not finite
+            nan_empty = empty.isnan().double()
+            held_flag = fields.get(Slot.NAN_EMPTY)
+            fields[Slot.NAN_EMPTY] = nan_empty if held_flag is None else torch.maximum(held_flag, nan_empty)
         return fields
 
 
-def _stacked(tensors: list[_Held], host_items: float) -> tuple[Tensor, Tensor, Tensor]:
-    """The device counts, what each adds to N, and the first [problem, value] (else TOO_LARGE where N reaches 2**53)."""
+def _first_problem(tensors: list[_Held], host_items: float) -> Tensor:
+    """The first device count's ``[problem, value]``, else ``[TOO_LARGE, N]`` where N reaches 2**53, else zeros."""
     n, problems = torch.stack([t[0] for t in tensors]), torch.stack([t[1] for t in tensors])
-    valid = problems == 0  # a valid count of 0 adds 0 all the same
-    if any(t[3] is None for t in tensors):  # a check's count (a planned count on the host) adds nothing
-        valid &= torch.tensor([t[3] is not None for t in tensors], device=n.device)
-    counted = torch.where(valid, n, 0.0)
-    first, total = (problems > 0).double().argmax(), counted.sum() + host_items  # the first microbatch if none
+    total = sum((t[2] for t in tensors if t[2] is not None), n.new_zeros(())) + host_items
+    first = (problems > 0).double().argmax()  # the first microbatch if none
     kind, value = torch.take(problems, first), torch.take(n, first)
     too_large = (kind == 0) & (total >= MAX_ITEMS)
     kind = torch.where(too_large, float(Problem.TOO_LARGE), kind)
-    return n, counted, torch.stack([kind, torch.where(too_large, total, torch.where(kind > 0, value, 0.0))])
+    return torch.stack([kind, torch.where(too_large, total, torch.where(kind > 0, value, 0.0))])
 
 
 class Parts:
@@ -542,8 +551,8 @@ class Parts:
         self.items, self._host, self.some_empty = [0.0] * parts, None, True
         self.device_items = self._counts.sum(0)
         zero, most = as_tensor(0.0), self.device_items.max()
-        self.checks = [(as_tensor(n), p, None, None) for n, p, _ in flat if isinstance(p, Tensor)]
-        self.checks.append((most, torch.where(most >= MAX_ITEMS, float(Problem.TOO_LARGE), zero), None, None))
+        self.checks = [(as_tensor(n), p, None, None, None) for n, p, _ in flat if isinstance(p, Tensor)]
+        self.checks.append((most, torch.where(most >= MAX_ITEMS, float(Problem.TOO_LARGE), zero), None, None, None))
 
     def loss(self, window: Window, microbatch: int, item_sum: bool, losses: Tensor) -> tuple[float, Tensor]:
         """The factor and loss microbatch ``microbatch`` backpropagates, from its stacked ``losses`` (means or sums).

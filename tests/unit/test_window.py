@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 from typing import Any
 
 import pytest
@@ -287,6 +288,12 @@ def test_read_count_checks_numbers_on_the_host(value, expected):
         (torch.tensor(-1), False, Problem.NEGATIVE),
         (torch.tensor(-math.inf), False, Problem.NOT_FINITE),
         (torch.tensor(math.nan), False, Problem.NOT_FINITE),
+        (torch.tensor(math.inf), False, Problem.NOT_FINITE),
+        (torch.tensor(-sys.float_info.max, dtype=torch.float64), False, Problem.NEGATIVE),  # the most negative float
+        (torch.tensor(sys.float_info.max, dtype=torch.float64), False, 0),
+        (torch.tensor(-0.0), False, 0),
+        (torch.tensor(-1e-300, dtype=torch.float64), False, Problem.NEGATIVE),
+        (torch.tensor(4.0, requires_grad=True), False, 0),  # read detached
         (torch.tensor(2.5), True, Problem.FRACTIONAL),
         (torch.tensor(3.0), True, 0),
         (torch.tensor([[4]]), False, 0),  # one element, any shape
@@ -295,7 +302,7 @@ def test_read_count_checks_numbers_on_the_host(value, expected):
 def test_read_count_checks_tensors_where_they_live(value, integer, problem):
     count = read_count(value.as_subclass(Unreadable), integer=integer)
     assert isinstance(count.value, Unreadable) and isinstance(count.problem, Unreadable)
-    assert float(count.problem.as_subclass(Tensor)) == problem
+    assert float(count.problem.as_subclass(Tensor)) == problem and not count.value.requires_grad
     assert read_count(value, integer=integer, host=True).problem == (Problem(problem) if problem else None)
 
 
@@ -447,6 +454,7 @@ def test_a_window_count_reaching_2_to_the_53_is_rejected_rather_than_rounded():
     on_device = Window()
     on_device.add(read_count(device(2**52)))
     on_device.add(read_count(device(2**52)))
+    assert payload([on_device], True, CPU).as_subclass(Tensor)[Slot.INVALID] == 1.0
     assert on_device.problem_row(CPU).as_subclass(Tensor).tolist() == [Problem.TOO_LARGE, MAX_ITEMS]
 
 
