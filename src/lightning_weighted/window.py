@@ -311,7 +311,7 @@ def at(slot: Slot, parts: int = 1) -> slice:
 
 # a device count: n, its problem, what it adds to N (None: a check's count), its loss, an item sum
 _Held = tuple[Tensor, Tensor, Tensor | None, Tensor | None, bool | None]
-_MOST_HELD = 64  # a window holds at most this many losses of host counts before it weighs them (an evaluation's epoch)
+_MOST_HELD = 64  # a window holds at most this many losses (or device counts) before it weighs them (an evaluation)
 
 
 def _detached(loss: Tensor) -> Tensor:
@@ -339,7 +339,8 @@ class Window:
     """
 
     __slots__ = (
-        "_device", "_held", "_tensors", "divisor", "items", "microbatches", "parts", "problem", "scale", "total",
+        "_device", "_first", "_held", "_tensors", "divisor", "items", "microbatches", "parts", "problem", "scale",
+        "total",
     )  # fmt: skip
 
     def __init__(
@@ -353,9 +354,10 @@ class Window:
         self.scale, self.total, self.divisor, self.microbatches, self.parts = scale, total, divisor, microbatches, parts
         self.items = 0.0  # Σ n of host counts
         self.problem = parts.problem if parts is not None else None  # the first problem known on the host
-        self._device: dict[Slot, Tensor] = {}  # fields summed on the device: Σ n·loss of host counts, NAN_EMPTY
+        self._device: dict[Slot, Tensor] = {}  # fields summed on the device so far: Σ n·loss, NAN_EMPTY, ITEMS
         self._held: tuple[list[Tensor], list[float]] = ([], [])  # host counts' losses, weighted as the window ends
         self._tensors: list[_Held] = list(parts.checks) if parts is not None else []  # a checked count: no loss
+        self._first: Tensor | None = None  # the first [problem, value] of the device counts weighed already
 
     @property
     def ahead(self) -> bool:
@@ -379,7 +381,7 @@ class Window:
                 n = torch.as_tensor(n, dtype=torch.float64, device=problem.device if problem is not None else None)
             problem = problem if problem is not None else torch.zeros_like(n)
             counted = torch.where(problem == 0, n, 0.0)  # a valid count weighs itself, 0 included
-            self._tensors.append((n, problem, counted, None if loss is None else _detached(loss), item_sum))
+            self._hold((n, problem, counted, None if loss is None else _detached(loss), item_sum))
             return (counted > 0).double() if item_sum else counted
         if n == 0:
             return 0.0  # exactly nothing, also from the NaN mean of a fully masked microbatch
@@ -405,9 +407,17 @@ class Window:
             value = losses[0].double() * weights[0]
         else:  # the losses cast once and weighted by a float64 vector of the weights
             value = torch.dot(torch.stack(losses).double(), host_tensor(weights, losses[0].device))
-        held = self._device.get(Slot.LOSS)
-        self._device[Slot.LOSS] = value if held is None else held + value
+        _into(self._device, Slot.LOSS, value)
         self._held = ([], [])
+
+    def _hold(self, count: _Held) -> None:
+        """Holds a device count; the window weighs them where it holds :data:`_MOST_HELD`, keeping the first problem."""
+        self._tensors.append(count)
+        if len(self._tensors) >= _MOST_HELD:
+            first = _first_problem(self._tensors)
+            self._first = first if self._first is None else torch.where(self._first[0] > 0, self._first, first)
+            _add_counts(self._device, self._tensors)
+            self._tensors = []
 
     def check(self, given: Count, planned: Count, problem: Problem = Problem.DISAGREES) -> None:
         """Records ``problem`` where a count taken again differs from the planned one (a tensor, on its device)."""
@@ -420,7 +430,7 @@ class Window:
             n = torch.as_tensor(given.value, dtype=torch.float64, device=tensor.device)
             kind = given.problem if isinstance(given.problem, Tensor) else torch.zeros_like(n)
             differs = (n != planned.value) & (kind == 0) & (planned.problem is None or planned.problem == 0)
-            self._tensors.append((n, torch.where(differs, float(problem), kind), None, None, None))
+            self._hold((n, torch.where(differs, float(problem), kind), None, None, None))
         elif given.value != planned.value:
             self.reject(problem, float(given.value))
 
@@ -440,9 +450,7 @@ class Window:
 
     def empty(self, loss: Tensor) -> None:
         """Notes whether an empty microbatch's loss, backpropagated all the same, is finite (``NAN_EMPTY``)."""
-        flag = (~torch.isfinite(loss.detach())).any().double()
-        held = self._device.get(Slot.NAN_EMPTY)
-        self._device[Slot.NAN_EMPTY] = flag if held is None else torch.maximum(held, flag)
+        _into(self._device, Slot.NAN_EMPTY, (~torch.isfinite(loss.detach())).any().double(), torch.maximum)
 
     def reject(self, problem: Problem, value: float = math.nan) -> None:
         """Records a microbatch that cannot be weighted; the window reports its first problem."""
@@ -453,27 +461,38 @@ class Window:
         """``[problem, value]`` of this rank's first problem (``[0, 0]``: none), on ``device``."""
         if self.problem is not None:
             return torch.tensor([float(self.problem[0]), self.problem[1]], dtype=torch.float64, device=device)
-        if not self._tensors:
+        rows = [self._first] if self._first is not None else []
+        rows += [_first_problem(self._tensors)] if self._tensors else []
+        if not rows:
             return torch.zeros(2, dtype=torch.float64, device=device)
-        return _first_problem(self._tensors, self.items).to(device)
+        first = rows[0] if len(rows) == 1 else torch.where(rows[0][0] > 0, rows[0], rows[1])
+        items = self.device_fields().get(Slot.ITEMS)
+        total = (items if items is not None else first.new_zeros(())) + self.items
+        too_large = torch.stack([first.new_tensor(float(Problem.TOO_LARGE)), total])
+        return torch.where((first[0] == 0) & (total >= MAX_ITEMS), too_large, first).to(device)
 
     def device_fields(self) -> dict[Slot, Tensor]:
         """The payload's fields that live on a device, in one pass over the window's device counts."""
         self._weigh_held()
         fields = dict(self._device)
-        if not self._tensors:
-            return fields
-        held = [t for t in self._tensors if t[2] is not None]  # a check's count (a planned one) adds nothing
-        counted = torch.stack(cast("list[Tensor]", [t[2] for t in held])) if held else None
-        items = counted.sum() if counted is not None else None
-        if self.problem is None:  # 1 where a count is invalid or N reaches 2**53; `problem_row` tells which
-            invalid = torch.stack([t[1] for t in self._tensors]).amax()
+        problems = [self._first[0]] if self._first is not None else []
+        problems += [_add_counts(fields, self._tensors)] if self._tensors else []
+        if self.problem is None and problems:  # 1 where a count is invalid or N reaches 2**53: `problem_row` says which
+            invalid = problems[0] if len(problems) == 1 else torch.maximum(*problems)
+            items = fields.get(Slot.ITEMS)
             if items is not None:
                 invalid = invalid + ((items + self.items if self.items else items) >= MAX_ITEMS)
             fields[Slot.INVALID] = invalid.clamp(max=1.0)
-        if counted is None or items is None:
-            return fields  # checks only: the counts are the planned ones, on the host
-        fields[Slot.ITEMS] = fields[Slot.LOCAL] = items
+        return fields
+
+
+def _add_counts(fields: dict[Slot, Tensor], tensors: list[_Held]) -> Tensor:
+    """Adds held device counts, and the losses held with them, into ``fields``; returns their largest problem."""
+    held = [t for t in tensors if t[2] is not None]  # a check's count (a planned one) adds nothing
+    if held:
+        counted = torch.stack(cast("list[Tensor]", [t[2] for t in held]))
+        _into(fields, Slot.ITEMS, counted.sum())
+        fields[Slot.LOCAL] = fields[Slot.ITEMS]
         given = [t[3] for t in held]
         if any(x is not None for x in given):
             losses = torch.stack([counted.new_zeros(()) if x is None else x for x in given]).double()
@@ -481,24 +500,24 @@ class Window:
             weights = counted  # a mean's count; a sum's 1 where it counts any
             if any(sums):
                 weights = torch.where(torch.tensor(sums, device=counted.device), valid.double(), counted)
-            loss = torch.dot(torch.where(valid, losses, 0.0), weights)  # an inf loss of no count: 0
-            fields[Slot.LOSS] = loss if Slot.LOSS not in fields else fields[Slot.LOSS] + loss
+            _into(fields, Slot.LOSS, torch.dot(torch.where(valid, losses, 0.0), weights))  # an inf of no count: 0
             empty = torch.dot(torch.where(valid, 0.0, losses), counted)  # NaN where a loss counted 0 is not finite
-            nan_empty = empty.isnan().double()
-            held_flag = fields.get(Slot.NAN_EMPTY)
-            fields[Slot.NAN_EMPTY] = nan_empty if held_flag is None else torch.maximum(held_flag, nan_empty)
-        return fields
+            _into(fields, Slot.NAN_EMPTY, empty.isnan().double(), torch.maximum)
+    return torch.stack([t[1] for t in tensors]).amax()
 
 
-def _first_problem(tensors: list[_Held], host_items: float) -> Tensor:
-    """The first device count's ``[problem, value]``, else ``[TOO_LARGE, N]`` where N reaches 2**53, else zeros."""
+def _first_problem(tensors: list[_Held]) -> Tensor:
+    """The first held device count's ``[problem, value]`` (``[0, 0]``: none)."""
     n, problems = torch.stack([t[0] for t in tensors]), torch.stack([t[1] for t in tensors])
-    total = sum((t[2] for t in tensors if t[2] is not None), n.new_zeros(())) + host_items
     first = (problems > 0).double().argmax()  # the first microbatch if none
-    kind, value = torch.take(problems, first), torch.take(n, first)
-    too_large = (kind == 0) & (total >= MAX_ITEMS)
-    kind = torch.where(too_large, float(Problem.TOO_LARGE), kind)
-    return torch.stack([kind, torch.where(too_large, total, torch.where(kind > 0, value, 0.0))])
+    kind = torch.take(problems, first)
+    return torch.stack([kind, torch.where(kind > 0, torch.take(n, first), 0.0)])
+
+
+def _into(fields: dict[Slot, Tensor], slot: Slot, value: Tensor, combine: Callable[..., Tensor] = torch.add) -> None:
+    """Adds ``value`` into a field of ``fields`` (or keeps the larger, with ``torch.maximum``)."""
+    held = fields.get(slot)
+    fields[slot] = value if held is None else combine(held, value)
 
 
 class Parts:

@@ -265,6 +265,35 @@ def test_device_counts_weigh_a_mean_by_its_count_a_sum_by_one_and_a_check_adds_n
     assert (vector[Slot.ITEMS], vector[Slot.LOSS], vector[Slot.INVALID]) == (5.0, expected, 0.0)
 
 
+@pytest.mark.parametrize("microbatches", [1, 63, 64, 150])  # an evaluation epoch's device counts: weighed in blocks
+def test_device_counts_held_for_a_whole_epoch_stay_few_and_sum_flag_and_name_their_first_problem_exactly(microbatches):
+    rng = random.Random(microbatches)
+    window, items, loss, nan_empty = Window(), 0.0, 0.0, 0.0
+    for m in range(microbatches):
+        n, item_sum = float(rng.choice([0, 1, 3, 17])), rng.random() < 0.3
+        value = math.nan if n == 0 and m % 5 == 0 else rng.uniform(-4, 4)  # some NaN losses counted 0
+        window.add(read_count(device(n)), loss=torch.tensor(value, dtype=torch.float64), item_sum=item_sum)
+        items += n
+        loss += 0.0 if n == 0 else value * (1.0 if item_sum else n)
+        nan_empty = max(nan_empty, float(n == 0 and math.isnan(value)))
+        assert len(window._tensors) < 64, m  # held until the window weighs them: never the whole epoch
+    vector = payload([window], True, CPU).as_subclass(Tensor)
+    assert (vector[Slot.ITEMS], vector[Slot.LOCAL], vector[Slot.INVALID]) == (items, items, 0.0)
+    assert (float(vector[Slot.LOSS]), float(vector[Slot.NAN_EMPTY])) == (pytest.approx(loss, abs=1e-9), nan_empty)
+    assert window.problem_row(CPU).as_subclass(Tensor).tolist() == [0.0, 0.0]
+    for bad in (-3, math.nan):  # the first of two problems, a block apart
+        window.add(read_count(device(bad, torch.float64)), loss=torch.tensor(0.5))
+        for _ in range(70):
+            window.add(read_count(device(1)), loss=torch.tensor(0.5))
+    assert payload([window], True, CPU).as_subclass(Tensor)[Slot.INVALID] == 1.0
+    assert window.problem_row(CPU).as_subclass(Tensor).tolist() == [Problem.NEGATIVE, -3.0]
+    large = Window()
+    for _ in range(100):  # 2**53 reached across blocks: the window's count, not one block's
+        large.add(read_count(device(2**47)), loss=torch.tensor(1.0))
+    assert payload([large], True, CPU).as_subclass(Tensor)[Slot.INVALID] == 1.0
+    assert large.problem_row(CPU).as_subclass(Tensor).tolist() == [Problem.TOO_LARGE, 100 * 2**47]
+
+
 @pytest.mark.parametrize(
     ("value", "expected"),
     [
