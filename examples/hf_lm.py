@@ -183,6 +183,8 @@ def train(args: argparse.Namespace, run: str) -> None:
         enable_model_summary=False,
     )
     trainer.fit(HuggingFaceLM(args, run))
+    if torch.distributed.is_initialized():  # a rank of this process: its groups go before the interpreter, whose exit
+        torch.distributed.destroy_process_group()  # would otherwise race gloo's threads (SIGABRT)
 
 
 def main() -> None:

@@ -254,6 +254,8 @@ def train(args: argparse.Namespace, run: str) -> None:
         enable_model_summary=False,
     )
     trainer.fit(TinyLM(args, run))
+    if dist.is_initialized():  # a rank of this process: its groups go before the interpreter, whose exit
+        dist.destroy_process_group()  # would otherwise race gloo's threads (SIGABRT)
 
 
 def rows(path: Path, column: str) -> list[dict[str, str]]:
