@@ -414,8 +414,7 @@ class Window:
         """Holds a device count; the window weighs them where it holds :data:`_MOST_HELD`, keeping the first problem."""
         self._tensors.append(count)
         if len(self._tensors) >= _MOST_HELD:
-            first = _first_problem(self._tensors)
-            self._first = first if self._first is None else torch.where(self._first[0] > 0, self._first, first)
+            self._first = _first_of(self._first, _first_problem(self._tensors))
             _add_counts(self._device, self._tensors)
             self._tensors = []
 
@@ -461,11 +460,9 @@ class Window:
         """``[problem, value]`` of this rank's first problem (``[0, 0]``: none), on ``device``."""
         if self.problem is not None:
             return torch.tensor([float(self.problem[0]), self.problem[1]], dtype=torch.float64, device=device)
-        rows = [self._first] if self._first is not None else []
-        rows += [_first_problem(self._tensors)] if self._tensors else []
-        if not rows:
+        first = _first_of(self._first, _first_problem(self._tensors)) if self._tensors else self._first
+        if first is None:
             return torch.zeros(2, dtype=torch.float64, device=device)
-        first = rows[0] if len(rows) == 1 else torch.where(rows[0][0] > 0, rows[0], rows[1])
         items = self.device_fields().get(Slot.ITEMS)
         total = (items if items is not None else first.new_zeros(())) + self.items
         too_large = torch.stack([first.new_tensor(float(Problem.TOO_LARGE)), total])
@@ -512,6 +509,11 @@ def _first_problem(tensors: list[_Held]) -> Tensor:
     first = (problems > 0).double().argmax()  # the first microbatch if none
     kind = torch.take(problems, first)
     return torch.stack([kind, torch.where(kind > 0, torch.take(n, first), 0.0)])
+
+
+def _first_of(earlier: Tensor | None, later: Tensor) -> Tensor:
+    """The first of two ``[problem, value]`` rows that holds a problem (``later`` where neither does)."""
+    return later if earlier is None else torch.where(earlier[0] > 0, earlier, later)
 
 
 def _into(fields: dict[Slot, Tensor], slot: Slot, value: Tensor, combine: Callable[..., Tensor] = torch.add) -> None:
