@@ -183,8 +183,10 @@ def train(args: argparse.Namespace, run: str) -> None:
         enable_model_summary=False,
     )
     trainer.fit(HuggingFaceLM(args, run))
-    if torch.distributed.is_initialized():  # a rank of this process: its groups go before the interpreter, whose exit
-        torch.distributed.destroy_process_group()  # would otherwise race gloo's threads (SIGABRT)
+    if torch.distributed.is_initialized():  # a rank in a process of its own: it leaves without the interpreter's
+        sys.stdout.flush()  # teardown, where gloo's threads, still holding work, abort the process (SIGABRT)
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def main() -> None:

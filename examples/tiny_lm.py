@@ -254,8 +254,10 @@ def train(args: argparse.Namespace, run: str) -> None:
         enable_model_summary=False,
     )
     trainer.fit(TinyLM(args, run))
-    if dist.is_initialized():  # a rank of this process: its groups go before the interpreter, whose exit
-        dist.destroy_process_group()  # would otherwise race gloo's threads (SIGABRT)
+    if dist.is_initialized():  # a rank in a process of its own: it leaves without the interpreter's teardown,
+        sys.stdout.flush()  # where gloo's threads, still holding work, abort the process (SIGABRT)
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def rows(path: Path, column: str) -> list[dict[str, str]]:
