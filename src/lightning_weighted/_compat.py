@@ -8,6 +8,7 @@ the one protected method overridden: ``FSDPStrategy._setup_model``, to wrap a mo
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -20,12 +21,13 @@ from torch.utils.data import DataLoader
 
 # fmt: off
 __all__ = [
-    "LOADER_BARRIERS", "BackwardSyncControl", "StrategyRegistry", "augment_message", "combined_mode", "ddp_kwargs",
-    "fetched_batch", "flat_parameters", "flatten_mesh", "forward_redirection", "fsdp1_options", "fsdp2_param_groups",
-    "fsdp2_policies", "fsdp2_shard_sizes", "fsdp_setup_helpers", "join_enabled", "metric_restore", "metric_snapshot",
-    "multiply", "parallel_sizes", "rebuild_loader", "reduce_scatter", "register", "require_torch",
-    "set_backward_sync_control", "set_parallel_sizes", "set_sampler", "train_batch_idx", "train_progress", "trainer_of",
-    "unfloored",
+    "LOADER_BARRIERS", "BackwardSyncControl", "StrategyRegistry", "augment_message", "checkpoint_progress",
+    "combined_mode", "ddp_kwargs", "fetched_batch", "flat_parameters", "flatten_mesh", "forward_redirection",
+    "fsdp1_options", "fsdp2_param_groups", "fsdp2_policies", "fsdp2_shard_sizes", "fsdp_setup_helpers", "join_enabled",
+    "litdata_drops_last", "litdata_loader", "litdata_resumed", "metric_restore", "metric_snapshot", "multiply",
+    "parallel_sizes", "rebuild_loader", "reduce_scatter", "register", "require_torch", "set_backward_sync_control",
+    "set_litdata_epoch", "set_parallel_sizes", "set_sampler", "set_sampler_epoch", "set_train_batches",
+    "train_batch_idx", "train_progress", "trainer_of", "unfloored",
 ]
 # fmt: on
 
@@ -119,6 +121,71 @@ def train_progress(trainer: Any) -> tuple[int, bool]:
     """How many batches of the train epoch were processed, and whether the last was (``batch_progress``, private)."""
     progress = trainer.fit_loop.epoch_loop.batch_progress
     return int(progress.current.processed), bool(progress.is_last_batch)
+
+
+def checkpoint_progress(checkpoint: dict[str, Any]) -> tuple[int, bool]:
+    """:func:`train_progress` as a checkpoint of Lightning's holds it (``(0, False)`` where it holds none)."""
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {})
+    return int(progress.get("current", {}).get("processed", 0)), bool(progress.get("is_last_batch", False))
+
+
+def set_train_batches(trainer: Any, batches: int) -> None:
+    """Tells the fit loop an epoch's number of train batches (it reads the loader's length once, at setup).
+
+    Where a resumed epoch's length differs from the next one's (dealt over another number of ranks), the next epoch
+    sets it anew as ``setup_data`` sets it: the train ``CombinedLoader``'s limit (``limit_train_batches`` applied),
+    the epoch's batches, and a validation interval given as a fraction of the epoch.
+    """
+    from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+    from lightning.pytorch.trainer.states import RunningStage
+
+    fit_loop = trainer.fit_loop
+    limit = _parse_num_batches(RunningStage.TRAINING, batches, trainer.limit_train_batches)
+    limits = fit_loop._combined_loader.limits  # in place: the epoch's iterator holds the same list
+    limits[:] = [limit] * len(limits)
+    fit_loop.max_batches = limit
+    interval = trainer.val_check_interval
+    if isinstance(interval, float) and getattr(trainer, "_val_check_time_interval", None) is None:
+        trainer.val_check_batch = max(1, int(limit * interval))
+
+
+def set_sampler_epoch(loader: object, epoch: int) -> None:
+    """Lightning's ``_set_sampler_epoch``: the epoch of every sampler of ``loader`` that takes one."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
+    _set_sampler_epoch(loader, epoch)
+
+
+def litdata_resumed(state: dict[str, Any], items: int) -> dict[str, Any]:
+    """A copy of LitData's loader ``state`` that resumes its epoch after ``items`` items of its order.
+
+    LitData's elastic resume (a state of another number of ranks) restripes its order from ``sample_in_epoch``,
+    rounded down to whole batches of every rank; the loader's ``load_state_dict`` reads it.
+    """
+    resumed = copy.deepcopy(state)
+    resumed["dataset"]["sample_in_epoch"] = items
+    return resumed
+
+
+def litdata_drops_last(state: dict[str, Any]) -> bool:
+    """Whether LitData's loader ``state`` deals whole rounds of batches only (its data set's ``drop_last``)."""
+    return bool(state["dataset"].get("drop_last"))
+
+
+def set_litdata_epoch(loader: Any, state: dict[str, Any]) -> None:
+    """LitData's epoch counter as its loader ``state`` left it: its next pass deals the epoch after, whole."""
+    loader.current_epoch = state["current_epoch"]
+
+
+def litdata_loader(loader: object) -> bool:
+    """Whether ``loader`` is LitData's ``StreamingDataLoader`` over one ``StreamingDataset`` (LitData not imported)."""
+    kind, dataset = type(loader), type(getattr(loader, "dataset", None))
+    in_litdata = kind.__module__.startswith("litdata.") and dataset.__module__.startswith("litdata.")
+    return (
+        in_litdata
+        and "StreamingDataLoader" in [c.__name__ for c in kind.__mro__]
+        and dataset.__name__ == ("StreamingDataset")
+    )
 
 
 def trainer_of(module: Any) -> Any:

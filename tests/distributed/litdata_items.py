@@ -130,6 +130,35 @@ def shards(options: Mapping[str, Any], epochs: int, world_size: int = 2) -> list
     ]
 
 
+def elastic(options: Mapping[str, Any], epoch: int, taken: set[int], first: int, world: int) -> list[list[list[int]]]:
+    """Each of ``world`` ranks' batches of ``epoch`` by LitData's elastic resume, once the ids ``taken`` trained.
+
+    LitData resumes a run of ``first`` ranks from a number of items of its order (``sample_in_epoch``, rounded down
+    to whole batches of every rank): each new rank's loader is built under its rank's environment and handed a state
+    of that epoch which says ``len(taken)``; a batch whose items all trained already is left out (trained, not
+    dealt), and none may hold some of both.
+    """
+    import copy
+
+    with _rank_environment(first, 0):
+        source = loader(options)
+        for _ in range(epoch):
+            for _ in source:
+                pass
+        next(iter(source))
+        state = copy.deepcopy(source.state_dict())
+    state["dataset"]["sample_in_epoch"] = len(taken)
+    ranks = []
+    for rank in range(world):
+        with _rank_environment(world, rank):
+            built = loader(options)
+            built.load_state_dict(copy.deepcopy(state))
+            batches = [[int(i) for i in batch[3].tolist()] for batch in built]
+        assert all(set(b) <= taken or not set(b) & taken for b in batches), "LitData resumed inside a batch"
+        ranks.append([b for b in batches if not set(b) <= taken])
+    return ranks
+
+
 def _write(output_dir: str, items: int, chunk: int) -> None:
     import litdata
 

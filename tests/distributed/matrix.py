@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 # ----------------------------------------------------------------------------------------------- the messages
 # Every refusal the matrix expects, as a regex on each rank's error. One place, to align with the final wording.
-RESUME_WORLD = r"different number of ranks"
+RESUME_WORLD = r"cannot be dealt again over another number of ranks"
 AMBIGUOUS = r"ambiguous"
 HOOK_AFTER_TRANSFER = r"on_after_batch_transfer"
 HOOK_BEFORE_TRANSFER = r"on_before_batch_transfer"
@@ -154,6 +154,7 @@ DEFAULTS: dict[str, Any] = {
     "raise_at": None,  # (epoch, batch_idx) where training_step raises on every rank (OnExceptionCheckpoint saves)
     "resume_from": None,  # the checkpoint the second run resumes from: a step number, or "exception"
     "resume_world": WORLD,  # the second run's ranks
+    "first_world": WORLD,  # the first run's ranks, where it resumes on another number
     # Fabric
     "marking": "no_sync",  # no_sync | window_end
     "fabric_clip": None,  # fabric.clip_gradients(max_norm=...)
@@ -369,9 +370,51 @@ ROWS: list[Row] = [
         options={"loader": "stateful", "accumulate": 3, "raise_at": (0, 4), "resume_from": "exception"}),
     Row("resume-mid-epoch-stateless", RESUME, "mid-epoch checkpoint (step 2) with a plain `DataLoader`",
         options={"checkpoint": 2, "resume_from": 2}, home=("ddp", "ahead")),
-    Row("resume-world-size-mid-epoch", RESUME, "a mid-epoch checkpoint of 2 ranks resumed on 1",
-        outcome="refused", message=RESUME_WORLD,
+    Row("resume-mid-epoch-later-stateful", RESUME, "mid-epoch checkpoint in epoch 1 (step 6 of 8), a"
+        " `StatefulDataLoader` through Lightning's sampler, which deals each epoch anew",
+        options={"layout": "shared", "loader": "stateful", "shuffle": False, "checkpoint": 6, "resume_from": 6}),
+    Row("resume-mid-epoch-later-litdata", RESUME, "mid-epoch checkpoint in epoch 1 (step 4 of 6), the"
+        " `StreamingDataLoader` of `litdata-uneven`",
+        options={"layout": "litdata", "batch_size": 4, "drop_last": False, "checkpoint": 4, "resume_from": 4},
+        extra=("rank_batches",)),
+    Row("resume-epoch-last-batch-stateful", RESUME, "`every_n_train_steps=4` lands on epoch 0's last batch (rank 0's"
+        " 7th, rank 1 replaying), a `StatefulDataLoader` through Lightning's sampler",
+        options={"layout": "shared", "loader": "stateful", "shuffle": False, "checkpoint": 4, "resume_from": 4}),
+    Row("resume-epoch-last-batch-litdata", RESUME, "`every_n_train_steps=3` lands on epoch 0's last batch, the"
+        " `StreamingDataLoader` of `litdata-uneven`",
+        options={"layout": "litdata", "batch_size": 4, "drop_last": False, "checkpoint": 3, "resume_from": 3},
+        extra=("rank_batches",)),
+    Row("resume-every-n-epochs-litdata", RESUME, "`ModelCheckpoint(every_n_epochs=1)` with the `StreamingDataLoader`"
+        " of `litdata-uneven`", options={"layout": "litdata", "batch_size": 4, "drop_last": False,
+                                         "checkpoint": "epoch", "resume_from": 3}, extra=("rank_batches",)),
+    Row("resume-every-n-epochs-stateful", RESUME, "`ModelCheckpoint(every_n_epochs=1)` with a `StatefulDataLoader`"
+        " through Lightning's sampler", options={"layout": "shared", "loader": "stateful", "shuffle": False,
+                                                "checkpoint": "epoch", "resume_from": 4}),
+    Row("resume-world-2-to-1", RESUME, "a mid-epoch checkpoint of 2 ranks (step 2) resumed on 1, a map-style data"
+        " set through Lightning's sampler: the items no step took, in the epoch's order, dealt over the new ranks",
+        options={"layout": "shared", "checkpoint": 2, "resume_from": 2, "resume_world": 1}),
+    Row("resume-world-1-to-2", RESUME, "a mid-epoch checkpoint of 1 rank (step 3) resumed on 2, the same data set",
+        options={"layout": "shared", "checkpoint": 3, "resume_from": 3, "first_world": 1}),
+    Row("resume-world-2-to-1-stateful", RESUME, "`resume-world-2-to-1` with a `StatefulDataLoader` through"
+        " Lightning's sampler", options={"layout": "shared", "loader": "stateful", "shuffle": False, "checkpoint": 2,
+                                         "resume_from": 2, "resume_world": 1}),
+    Row("resume-world-1-to-2-stateful", RESUME, "`resume-world-1-to-2` with a `StatefulDataLoader` through"
+        " Lightning's sampler", options={"layout": "shared", "loader": "stateful", "shuffle": False, "checkpoint": 3,
+                                         "resume_from": 3, "first_world": 1}),
+    Row("resume-world-2-to-1-litdata", RESUME, "a mid-epoch checkpoint of 2 ranks at step 5 of 6 (A = 1, rank 0"
+        " replaying) resumed on 1, the `StreamingDataLoader` of `litdata-uneven`: LitData's elastic resume from the"
+        " 36 items the steps took", options={"layout": "litdata", "batch_size": 4, "drop_last": False,
+                                            "accumulate": 1, "checkpoint": 5, "resume_from": 5, "resume_world": 1}),
+    Row("resume-world-1-to-2-litdata", RESUME, "a mid-epoch checkpoint of 1 rank at step 3 (A = 1) resumed on 2,"
+        " LitData: it resumes from a whole batch of both ranks (8 items), so rank 0 skips the batch the steps took"
+        " past it", options={"layout": "litdata", "batch_size": 4, "drop_last": False, "accumulate": 1,
+                             "checkpoint": 3, "resume_from": 3, "first_world": 1}),
+    Row("resume-world-size-mid-epoch", RESUME, "a mid-epoch checkpoint of 2 ranks resumed on 1, each rank's own data"
+        " in a `StatefulDataLoader` (`use_distributed_sampler=False`)", outcome="refused", message=RESUME_WORLD,
         options={"loader": "stateful", "checkpoint": 2, "resume_from": 2, "resume_world": 1}),
+    Row("resume-world-iterable", RESUME, "a mid-epoch checkpoint of 2 ranks resumed on 1, an `IterableDataset` of"
+        " each rank's own batches", outcome="refused", message=RESUME_WORLD,
+        options={"layout": "iterable", "checkpoint": 2, "resume_from": 2, "resume_world": 1}),
     Row("resume-world-size-epoch-end", RESUME, "an epoch-end checkpoint of 2 ranks resumed on 1, which holds both"
         " ranks' batches", options={"checkpoint": "epoch", "resume_from": 4, "resume_world": 1}),
     # -------------------------------------------------------------------------------------------------- fabric
@@ -447,10 +490,8 @@ def rank_batches(options: Mapping[str, Any], rank: int, epoch: int, world_size: 
     """
     layout = option(options, "layout")
     if layout == "litdata":
-        names = ("items", "batch_size", "shuffle", "drop_last", "mode", "num_workers")
-        loader = {name: option(options, name) for name in names}
         epochs = max(int(option(options, "epochs")), epoch + 1)
-        return litdata_items.shards(loader, epochs, world_size)[rank][epoch]
+        return litdata_items.shards(_litdata_options(options), epochs, world_size)[rank][epoch]
     if layout in ("per_rank", "iterable"):
         if world_size == 1:
             ranks = [rank_batches(options, r, epoch) for r in range(WORLD)]
@@ -465,6 +506,12 @@ def rank_batches(options: Mapping[str, Any], rank: int, epoch: int, world_size: 
     if option(options, "loader") == "batch_sampler":
         return list(_varied(mine))
     return [mine[i : i + size] for i in range(0, len(mine), size)]
+
+
+def _litdata_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """What a LitData row's loader is built from."""
+    names = ("items", "batch_size", "shuffle", "drop_last", "mode", "num_workers")
+    return {name: option(options, name) for name in names}
 
 
 def _varied(indices: list[int]) -> Iterator[list[int]]:
@@ -592,6 +639,55 @@ def plan(row: Row, options: Mapping[str, Any] | None = None) -> list[Step]:
     return fabric_plan(options) if row.front == "fabric" else trainer_plan(options)
 
 
+def positions(options: Mapping[str, Any], epoch: int) -> list[list[list[int]]]:
+    """Every rank's real batch at each position of ``epoch`` (a rank out of data holds none there).
+
+    A run resumed mid-epoch on another number of ranks (``resume_world`` beside ``first_world``) trains the
+    positions before its checkpoint on the first run's ranks; the items of the epoch no step took are dealt over the
+    new ranks in the epoch's order, each rank taking every ``resume_world``-th (:func:`dealt`).
+    """
+    first, resumed = option(options, "first_world"), option(options, "resume_world")
+    moved = resumed_place(options) if first != resumed else None
+    world = first if moved is None or (epoch, 0) < moved else resumed  # an epoch's end resumes the next one whole
+    ranks = epoch_batches(options, epoch, world)
+    held = [[b[k] for b in ranks if k < len(b)] for k in range(max(map(len, ranks)))]
+    if moved is None or (epoch, 0) >= moved or epoch != moved[0]:
+        return held
+    start = moved[1]
+    taken = {i for batches in held[:start] for batch in batches for i in batch}
+    if option(options, "layout") == "litdata":
+        new = litdata_items.elastic(_litdata_options(options), epoch, taken, first, resumed)
+    else:
+        new = dealt(options, epoch, taken, resumed)
+    left = sorted(i for rank in new for batch in rank for i in batch)
+    assert not set(left) & taken and len(left) + len(taken) == len({*left, *taken}), "each item once"
+    return held[:start] + [[b[k] for b in new if k < len(b)] for k in range(max(map(len, new)))]
+
+
+def resumed_place(options: Mapping[str, Any]) -> tuple[int, int] | None:
+    """The epoch and position at which the run resumes from step ``resume_from`` (``None``: it does not)."""
+    resume_from = option(options, "resume_from")
+    if not isinstance(resume_from, int):
+        return None
+    world, steps = option(options, "first_world"), 0
+    for epoch in range(option(options, "epochs")):
+        a = accumulate_at(options, epoch)
+        longest = max(map(len, epoch_batches(options, epoch, world)))
+        for start in range(0, longest, a):
+            if steps == resume_from:
+                return epoch, start
+            steps += 1
+    return None
+
+
+def dealt(options: Mapping[str, Any], epoch: int, taken: set[int], world: int) -> list[list[list[int]]]:
+    """The items of ``epoch`` not in ``taken``, in the epoch's order, dealt over ``world`` ranks in turn, batched."""
+    items, size = option(options, "items"), option(options, "batch_size")
+    order = torch.randperm(items, generator=torch.Generator().manual_seed(epoch)).tolist()
+    left = [i for i in order if i not in taken]
+    return [[mine[i : i + size] for i in range(0, len(mine), size)] for mine in (left[r::world] for r in range(world))]
+
+
 def trainer_plan(options: Mapping[str, Any]) -> list[Step]:
     steps: list[Step] = []
     epochs = 2 if option(options, "early_stopping") else option(options, "epochs")  # stops after epoch 1
@@ -599,8 +695,8 @@ def trainer_plan(options: Mapping[str, Any]) -> list[Step]:
     clock = 0  # train batches so far (the max_time clock, one second each)
     resumed_at = option(options, "raise_at") if option(options, "resume_from") == "exception" else None
     for epoch in range(epochs):
-        ranks = epoch_batches(options, epoch)
-        a, longest = accumulate_at(options, epoch), max(map(len, ranks))
+        held_at = positions(options, epoch)
+        a, longest = accumulate_at(options, epoch), len(held_at)
         for start in range(0, longest, a):
             window = range(start, min(start + a, longest))
             if stop_at is not None and stop_at[0] == epoch and window.stop > stop_at[1]:
@@ -610,7 +706,7 @@ def trainer_plan(options: Mapping[str, Any]) -> list[Step]:
             if resumed_at is not None and resumed_at[0] == epoch and resumed_at[1] in window:
                 # Lightning saves no accumulated gradient: the interrupted window trains what came after the failure
                 window = range(resumed_at[1], window.stop)
-            held = [b[k] for b in ranks for k in window if k < len(b)]
+            held = [batch for k in window for batch in held_at[k]]
             steps.append(_step(options, held, len(steps)))
             if max_steps > 0 and len(steps) == max_steps:
                 return steps

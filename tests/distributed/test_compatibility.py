@@ -126,19 +126,20 @@ def train(row: Row, engine: str, path: str, weighted: bool, tmp_path: Path) -> R
     if not row.resumes:
         records, done, _ = launch(row, engine, path, weighted, options, tmp_path)
         return Run(records, done)
-    resume_from = option(options, "resume_from")
-    first, first_done, out = launch(row, engine, path, weighted, options, tmp_path / "first")
+    resume_from, world = option(options, "resume_from"), option(options, "first_world")
+    first, first_done, out = launch(row, engine, path, weighted, options, tmp_path / "first", world_size=world)
     injected = all(r is not None and "injected failure" in str(r["error"]) for r in first)
     if (first_done.returncode == 0) != (resume_from != "exception") or (resume_from == "exception" and not injected):
         return Run(first, first_done)  # the run that checkpoints failed (or did not fail where it must)
     resumed_options = {**options, "raise_at": None, "checkpoint": None}
-    world = option(options, "resume_world")
     records, done, _ = launch(
         row, engine, path, weighted, resumed_options, tmp_path / "resumed",
-        resume=checkpoint_of(row, out), world_size=world,
+        resume=checkpoint_of(row, out), world_size=option(options, "resume_world"),
     )  # fmt: skip
-    # after a failure the interrupted window restarts without the gradient accumulated before it (`matrix.plan`)
-    uninterrupted = first if resume_from != "exception" else None
+    # after a failure the interrupted window restarts without the gradient accumulated before it (`matrix.plan`);
+    # resumed on another number of ranks, the rest of the epoch is dealt anew: no uninterrupted run trains it
+    same = world == option(options, "resume_world")
+    uninterrupted = first if resume_from != "exception" and same else None
     start = int(resume_from) if resume_from != "exception" else len(first[0]["steps"]) if first[0] else 0
     return Run(records, done, start, uninterrupted, [first_done])
 

@@ -879,3 +879,109 @@ def test_fetched_batch_is_what_lightnings_iterator_fetcher_yielded_last() -> Non
         batch, _, _ = next(wrapper)
         held = attribute("fetched_batch", fetcher, "_batch", "_DataLoaderIterDataFetcher")
     pinned("fetched_batch", held is batch, "_DataLoaderIterDataFetcher._batch", f"held {held!r}, yielded {batch!r}")
+
+
+# ----------------------------------------------------------------------------------------------- resuming
+
+
+class _Saves(Callback):
+    """Keeps the checkpoint Lightning would write at the end of each train batch."""
+
+    def __init__(self) -> None:
+        self.saved: list[dict[str, Any]] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.saved.append(trainer._checkpoint_connector.dump_checkpoint())
+
+
+@pins("checkpoint_progress")
+def test_checkpoint_progress_reads_the_batches_of_the_epoch_a_checkpoint_holds() -> None:
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    saves = _Saves()
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=3, limit_val_batches=0, callbacks=[saves],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with exercising("checkpoint_progress", "checkpoint['loops']['fit_loop']['epoch_loop.batch_progress']"):
+        trainer.fit(BoringModel())
+        progress = [_compat.checkpoint_progress(saved) for saved in saves.saved]
+    pinned("checkpoint_progress", progress == [(1, False), (2, False), (3, True)], "batch_progress", f"{progress}")
+    pinned("checkpoint_progress", _compat.checkpoint_progress({}) == (0, False), "a checkpoint without loops")
+
+
+@pins("set_train_batches")
+def test_set_train_batches_sets_the_epochs_batches_where_the_fit_loop_and_its_iterator_read_them() -> None:
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.loops.fit_loop import _FitLoop
+    from lightning.pytorch.trainer.connectors import data_connector
+    from lightning.pytorch.utilities.combined_loader import CombinedLoader
+
+    attribute("set_train_batches", data_connector, "_parse_num_batches", "data_connector")
+    source_says("set_train_batches", _FitLoop.setup_data, "combined_loader.limits = limits", "_FitLoop.setup_data")
+    source_says("set_train_batches", _FitLoop.setup_data, "self.max_batches = ", "_FitLoop.setup_data")
+    source_says("set_train_batches", CombinedLoader.__iter__, "cls(self.flattened, self._limits)", "CombinedLoader")
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=6, val_check_interval=0.5,
+        limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(BoringModel())
+    limits = trainer.fit_loop._combined_loader.limits
+    with exercising("set_train_batches", "_FitLoop.max_batches / CombinedLoader.limits"):
+        _compat.set_train_batches(trainer, 4)
+    pinned("set_train_batches", trainer.num_training_batches == 4, "Trainer.num_training_batches")
+    same = trainer.fit_loop._combined_loader.limits is limits and limits == [4]
+    pinned("set_train_batches", same, "CombinedLoader.limits", f"set in place: {limits}")
+    pinned("set_train_batches", trainer.val_check_batch == 2, "Trainer.val_check_batch", f"{trainer.val_check_batch}")
+    _compat.set_train_batches(trainer, 9)  # limit_train_batches=6 applies as at setup
+    pinned("set_train_batches", trainer.num_training_batches == 6, "_parse_num_batches", "limit_train_batches")
+
+
+@pins("set_sampler_epoch")
+def test_set_sampler_epoch_sets_the_epoch_of_a_loaders_sampler_and_its_batch_samplers() -> None:
+    from lightning.fabric.utilities import data
+
+    attribute("set_sampler_epoch", data, "_set_sampler_epoch", "lightning.fabric.utilities.data")
+    inner, outer = (torch.utils.data.DistributedSampler(range(8), 2, rank) for rank in (0, 1))
+    loader = DataLoader(range(8), batch_sampler=BatchSampler(inner, 2, False))
+    with exercising("set_sampler_epoch", "lightning.fabric.utilities.data._set_sampler_epoch"):
+        _compat.set_sampler_epoch(loader, 3)
+        _compat.set_sampler_epoch(DataLoader(range(8), sampler=outer), 5)
+    epochs = (inner.epoch, outer.epoch)
+    pinned("set_sampler_epoch", epochs == (3, 5), "_set_sampler_epoch", f"the samplers' epochs: {epochs}")
+
+
+@pins("litdata_loader", "litdata_resumed", "litdata_drops_last", "set_litdata_epoch")
+def test_litdatas_loader_its_state_and_its_elastic_resume_are_read_and_set_where_litdata_keeps_them() -> None:
+    pinned("litdata_loader", not _compat.litdata_loader(DataLoader(range(4))), "a DataLoader", "taken for LitData's")
+    pytest.importorskip("litdata", reason="LitData is not installed (`pip install --no-deps litdata==0.2.76`)")
+    import litdata_items
+    from litdata.streaming import dataloader, elastic
+
+    source_says("litdata_resumed", elastic.sample_in_epoch_from_state, 'state["sample_in_epoch"]', "litdata elastic")
+    source_says("litdata_resumed", dataloader.StreamingDataLoader.load_state_dict, "topology_changed", "LitData")
+    litdata_items.ensure(37)
+    options = {"items": 37, "batch_size": 4, "shuffle": True, "drop_last": False, "mode": "examples", "num_workers": 0}
+    with litdata_items._rank_environment(2, 0):
+        loader = litdata_items.loader(options)
+        pinned("litdata_loader", _compat.litdata_loader(loader), "litdata.StreamingDataLoader", "not recognized")
+        batches = iter(loader)
+        ids = [int(i) for i in next(batches)[3]]
+        state = loader.state_dict()  # mid-epoch, after rank 0's first batch
+    pinned("litdata_drops_last", not _compat.litdata_drops_last(state), "StreamingDataset.state_dict()['drop_last']")
+    resumed = _compat.litdata_resumed(state, 12)  # rank 0's first two batches and rank 1's first (LitData's order)
+    pinned("litdata_resumed", state["dataset"]["sample_in_epoch"] == 8, "the state", "changed in place")
+    with litdata_items._rank_environment(1, 0):  # another number of ranks: LitData's elastic resume
+        elastic_loader = litdata_items.loader(options)
+        elastic_loader.load_state_dict(resumed)
+        left = [int(i) for batch in elastic_loader for i in batch[3]]
+        fresh = litdata_items.loader(options)
+        _compat.set_litdata_epoch(fresh, state)
+        again = [int(i) for batch in fresh for i in batch[3]]
+    pinned("litdata_resumed", len(left) == 37 - 12, "StreamingDataLoader.load_state_dict", f"{len(left)} items left")
+    pinned("litdata_resumed", not set(ids) & set(left), "StreamingDataset (elastic)", "rank 0's first batch again")
+    pinned("set_litdata_epoch", sorted(again) == list(range(37)), "StreamingDataLoader.current_epoch", "the epoch")
+    pinned("set_litdata_epoch", fresh.current_epoch == state["current_epoch"] + 1, "StreamingDataLoader.__iter__")

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_weighted.loaders import EpochBatches, Participation, participating
-from lightning_weighted.loaders.epoch import combined_lengths, combined_message, lengths_of
+from lightning_weighted.loaders.epoch import Pass, combined_lengths, combined_message, lengths_of
 from lightning_weighted.loaders.extension import extension, restore
 from lightning_weighted.window import Counts
 
@@ -65,7 +65,7 @@ def test_a_participation_policy_is_pad_or_strict():
 
 def test_a_short_rank_replays_its_last_real_batch_counted_zero_until_the_longest_ranks_last():
     participation = Participation()
-    stage = EpochBatches(participation, longest=4, local=2, device=CPU)
+    stage = EpochBatches(participation, [2, 4], CPU)  # this rank (0) holds 2 batches, rank 1 holds 4
     stage.count = _lengths
     batches = stage.iterate(iter(["aa", "bbb"]))
     assert stage.take(2) == [Counts((2.0,)), Counts((3.0,))]  # the first window's, fetched before its first forward
@@ -73,7 +73,7 @@ def test_a_short_rank_replays_its_last_real_batch_counted_zero_until_the_longest
     assert stage.take(2) == [Counts((0.0,)), Counts((0.0,))]
     handed = [(batch, stage.position, participation.replay(stage.position - 1)) for batch in batches]
     assert handed == [("aa", 1, False), ("bbb", 2, False), ("bbb", 3, True), ("bbb", 4, True)]
-    assert (participation.real, stage.start, stage.passes) == (2, 0, 1)
+    assert (participation.real, stage.current.start, stage.passes) == (2, 0, 1)
     assert stage.take(1) == []  # the pass is over
 
     again = stage.iterate(iter(["cc"]))  # the next pass starts afresh
@@ -83,7 +83,7 @@ def test_a_short_rank_replays_its_last_real_batch_counted_zero_until_the_longest
 
 def test_an_unsized_loader_is_read_one_batch_ahead_to_know_its_last_and_replays_it_until_a_window_ends_the_epoch():
     participation = Participation()
-    stage = EpochBatches(participation, longest=None, local=None, device=CPU)
+    stage = EpochBatches(participation, [-1, -1], CPU)
     batches = stage.iterate(iter([1, 2, 3]))
     assert [next(batches) for _ in range(2)] == [1, 2]
     assert participation.real is None and participation.has_more(1)  # the third was read ahead: not the end yet
@@ -101,68 +101,104 @@ def test_a_pass_resumed_mid_epoch_skips_the_batches_a_loader_without_state_yield
             yield batch
 
     participation = Participation()
-    stage = EpochBatches(participation, longest=4, local=3, device=CPU)
+    stage = EpochBatches(participation, [3, 4], CPU)
     stage.count = _lengths
-    stage.resume(2, 3)  # 2 batches trained; 3 real ones on this rank
+    stage.resume(Pass(2, 0, 3, 4))  # 2 batches trained; the loader yields from its first; 3 real ones on this rank
     handed = stage.iterate(batches())
-    assert (stage.start, stage.position) == (2, 2)
+    assert (stage.current.start, stage.position) == (2, 2)
     assert stage.take(2) == [Counts((3.0,)), Counts((0.0,))]  # its third batch, then a replay
     assert fetched == ["a", "bb", "ccc"]  # the two trained ones were read and skipped
     assert [(batch, stage.position, participation.replay(stage.position - 1)) for batch in handed] == [
         ("ccc", 3, False),
         ("ccc", 4, True),
     ]
-    assert stage.state(3) == {"position": 3, "real": 3, "at": 2, "loader": None}  # no state of its own to keep
+    assert stage.place(3, False) == {"position": 3, "real": 3, "at": 2, "loader": None}  # no state of its own
 
-    stage.resume(4, 3)  # a rank with no real batch left only replays its last one
+    stage.resume(Pass(4, 0, 3, 4))  # a rank with no real batch left only replays its last one
     assert list(stage.iterate(iter(["a", "bb", "ccc"]))) == []  # the pass is at its length already
-    longer = EpochBatches(Participation(), longest=5, local=3, device=CPU)
-    longer.resume(4, 3)
+    longer = EpochBatches(Participation(), [3, 5], CPU)
+    longer.resume(Pass(4, 0, 3, 5))
     assert list(longer.iterate(iter(["a", "bb", "ccc"]))) == ["ccc"]
 
 
 def test_the_place_of_a_stateful_loader_is_its_state_before_the_first_batch_not_yet_trained():
     loader = Consumed(["a", "b", "c"])
-    stage = EpochBatches(Participation(), longest=4, local=3, device=CPU)
+    stage = EpochBatches(Participation(), [3, 4], CPU)
     stage.loader_state = loader.state_dict
     places = []
     for batch in stage.iterate(iter(loader)):
-        places.append((batch, stage.state(stage.position)))
+        places.append((batch, stage.place(stage.position, False)))
     assert places == [
         ("a", {"position": 1, "real": 3, "at": 1, "loader": {"consumed": 1}}),
         ("b", {"position": 2, "real": 3, "at": 2, "loader": {"consumed": 2}}),
         ("c", {"position": 3, "real": 3, "at": 2, "loader": {"consumed": 2}}),  # no real one left: before its last
         ("c", {"position": 4, "real": 3, "at": 2, "loader": {"consumed": 2}}),
     ]
-    assert stage.state(0)["loader"] is not stage.state(0)["loader"]  # a copy, which the loader does not change
+    assert stage.place(0, False)["loader"] is not stage.place(0, False)["loader"]  # copies the loader keeps apart
+    assert loader.ended and stage.place(4, True)["loader"] == {"consumed": 3}  # at the epoch's end: read to it
 
 
 def test_a_pass_resumed_where_the_loaders_state_was_put_back_reads_on_from_there_and_to_the_loaders_end():
     loader = Consumed(["a", "b", "c"], consumed=2)  # put back before its third batch
     participation = Participation()
-    stage = EpochBatches(participation, longest=4, local=3, device=CPU)
+    stage = EpochBatches(participation, [3, 4], CPU)
     stage.loader_state = loader.state_dict
-    stage.resume(2, 3, at=2)
+    stage.resume(Pass(2, 2, 3, 4), {"consumed": 2})
     assert [(batch, stage.position) for batch in stage.iterate(iter(loader))] == [("c", 3), ("c", 4)]
     assert loader.ended  # read to its end after its last real batch, so that its next epoch starts afresh
 
     replaying = Consumed(["a", "b", "c"], consumed=2)  # a rank with no real batch left: put back before its last
-    stage = EpochBatches(Participation(), longest=5, local=3, device=CPU)
+    stage = EpochBatches(Participation(), [3, 5], CPU)
     stage.loader_state = replaying.state_dict
-    stage.resume(3, 3, at=2)
+    stage.resume(Pass(3, 2, 3, 5), {"consumed": 2})
     assert [(batch, stage.position) for batch in stage.iterate(iter(replaying))] == [("c", 4), ("c", 5)]
 
 
-def test_the_longest_ranks_loader_put_back_is_read_to_its_end_before_its_last_batch_is_handed_out():
+def test_a_loader_is_read_to_its_end_before_its_last_batch_is_handed_out():
     # Lightning asks a sized loader for no batch after its length: the longest rank's last real batch is the
-    # epoch's last, and nothing is fetched after it (LitData's `restore` would stay set for the next epoch)
+    # epoch's last, and nothing is fetched after it (LitData's `restore` would stay set for the next epoch, a
+    # StatefulDataLoader's state would not say it finished)
     loader = Consumed(["a", "b", "c"], consumed=2)
-    stage = EpochBatches(Participation(), longest=3, local=3, device=CPU)
+    stage = EpochBatches(Participation(), [3, 3], CPU)
     stage.loader_state = loader.state_dict
-    stage.resume(2, 3, at=2)
+    stage.resume(Pass(2, 2, 3, 3), {"consumed": 2})
     batches = stage.iterate(iter(loader))
     assert next(batches) == "c"  # and Lightning stops here
     assert loader.ended
+
+    fresh = Consumed(["a", "b"])
+    stage = EpochBatches(Participation(), [2, 2], CPU)
+    batches = stage.iterate(iter(fresh))
+    assert [next(batches), next(batches)] == ["a", "b"] and fresh.ended  # a pass from its start alike
+
+
+def test_a_loader_put_back_is_never_asked_its_state_before_it_yields_the_passs_first_batch():
+    # LitData's loader holds a loaded state pending until its next pass begins, and rewrites it when asked for its
+    # state before: the state before the pass's first batch is the one put back
+    class Pending(Consumed):
+        def state_dict(self) -> dict[str, int]:
+            assert self.consumed > 2, "asked for its state before its first batch"
+            return super().state_dict()
+
+    loader = Pending(["a", "b", "c", "d"], consumed=2)
+    stage = EpochBatches(Participation(), [4, 4], CPU)
+    stage.loader_state = loader.state_dict
+    stage.resume(Pass(2, 2, 4, 4), {"consumed": 2})
+    batches = stage.iterate(iter(loader))
+    assert stage.state_before(2) == {"consumed": 2}  # the state put back
+    assert next(batches) == "c" and stage.place(2, False)["loader"] == {"consumed": 2}
+    assert stage.state_before(3) == {"consumed": 3}
+
+
+def test_a_pass_after_a_resumed_one_takes_every_ranks_length_again_and_says_where_the_epochs_length_changed():
+    told: list[int] = []
+    stage = EpochBatches(Participation(), [3, 3], CPU, relength=lambda: [5, 4])  # the loaders' own, asked again
+    stage.on_length = told.append
+    stage.resume(Pass(2, 2, 3, 4))  # dealt over other ranks: this rank's share ends at 3, the longest at 4
+    assert list(stage.iterate(iter(["c"]))) == ["c", "c"] and stage.longest == 4
+    assert list(stage.iterate(iter("abcde"))) == list("abcde")  # a whole epoch: 5 here, as many as the longest
+    assert (stage.current, told) == (Pass(0, 0, 5, 5), [5])
+    assert list(stage.iterate(iter("abcde"))) == list("abcde") and told == [5]  # the same length: nothing to say
 
 
 def test_a_loader_with_as_many_batches_on_every_rank_is_left_as_it_is_and_a_shorter_one_reports_the_longest():

@@ -6,10 +6,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from lightning_weighted import UnpaddedDistributedSampler
-from lightning_weighted.loaders.sampler import InsertedReplicas, marked, without_padding
+from lightning_weighted.loaders.sampler import InsertedReplicas, dealt_sampler, marked, taken, without_padding
 
 
 @settings(max_examples=300, deadline=None)
@@ -119,3 +119,63 @@ def test_lightnings_wrapper_of_a_users_sampler_is_unpadded_keeping_what_the_user
         assert without_padding(loader) is loader
         shards.append([int(x) for x in loader])
     assert shards == [[15, 11, 19], [13, 17]]  # each draw of the user's sampler once, in its order
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    size=st.integers(1, 120),
+    world=st.integers(1, 4),
+    again=st.integers(1, 4),
+    batch=st.integers(1, 5),
+    steps=st.integers(0, 30),
+    shuffle=st.booleans(),
+)
+def test_the_items_ranks_took_in_step_are_a_prefix_of_the_order_and_the_rest_dealt_again_repeats_none(
+    size, world, again, batch, steps, shuffle
+):
+    # every rank takes `steps` batches (fewer where its shard ends): what they took, together, is the epoch's order
+    # up to the number of items taken, so dealing from there over another number of ranks trains each item once
+    shards = [UnpaddedDistributedSampler(range(size), world, rank, shuffle=shuffle, seed=2) for rank in range(world)]
+    order = shards[0].order()
+    loader = DataLoader(range(size), batch_size=batch)
+    took = [taken(loader, list(shard), steps) for shard in shards]
+    seen = {i for shard, n in zip(shards, took, strict=True) for i in list(shard)[:n]}
+    assert seen == set(order[: sum(took)])
+    rest = []
+    for rank in range(again):
+        dealt = UnpaddedDistributedSampler(range(size), again, rank, shuffle=shuffle, seed=2)
+        dealt.deal_from(0, sum(took))
+        rest.append(list(dealt))
+        assert len(dealt) == len(rest[-1])
+    assert sorted([*seen, *(i for share in rest for i in share)]) == list(range(size))
+    assert max(map(len, rest)) - min(map(len, rest)) <= 1
+
+
+def test_an_epoch_dealt_from_a_point_is_that_epoch_alone_the_next_one_is_whole():
+    sampler = UnpaddedDistributedSampler(range(10), 2, 1, shuffle=False)
+    sampler.deal_from(3, 6)  # epoch 3's first 6 items trained: rank 1 of 2 takes items 7 and 9
+    assert (list(sampler), len(sampler)) == ([7, 9], 2)
+    sampler.set_epoch(4)
+    assert (list(sampler), len(sampler)) == ([1, 3, 5, 7, 9], 5)
+
+
+def test_taken_counts_the_items_of_a_loaders_first_batches_of_any_size():
+    class Varied(BatchSampler):  # 1, 2, 3 indices in turn
+        def __iter__(self):
+            indices, size = list(self.sampler), 1
+            while indices:
+                yield indices[:size]
+                indices, size = indices[size:], size % 3 + 1
+
+    indices = list(range(10, 20))
+    assert taken(DataLoader(range(20), batch_size=4), indices, 2) == 8
+    assert taken(DataLoader(range(20), batch_size=4), indices, 5) == 10  # its last batch short, the rest none
+    assert taken(DataLoader(range(20), batch_sampler=Varied(range(20), 1, False)), indices, 3) == 6
+    assert taken(DataLoader(range(20), batch_size=None), indices, 4) == 4  # one item a batch
+
+
+def test_the_sampler_dealt_again_is_lightnings_inserted_one_not_a_sampler_of_the_users_own():
+    inserted = DataLoader(range(8), sampler=DistributedSampler(range(8), InsertedReplicas(2), 0))
+    own = DataLoader(range(8), sampler=DistributedSampler(range(8), 2, 0))
+    assert isinstance(dealt_sampler(without_padding(inserted)), UnpaddedDistributedSampler)
+    assert dealt_sampler(without_padding(own)) is None and dealt_sampler(DataLoader(range(8))) is None

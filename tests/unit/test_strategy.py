@@ -102,7 +102,7 @@ def test_a_batch_of_several_loaders_is_counted_over_each_by_the_item_counter_or_
     # a sequential CombinedLoader hands one loader's batch at a time: its batch size is unambiguous
     strategy._counter = None
     sequential = CombinedLoader({"a": [0], "b": [1]}, mode="sequential")
-    strategy._loaders.fit_loop = SimpleNamespace(_combined_loader=sequential)
+    strategy._loaders.trainer = SimpleNamespace(fit_loop=SimpleNamespace(_combined_loader=sequential))
     assert not strategy._loaders.combined
     assert strategy.counts_of(read_output(loss), torch.zeros(2, 3)) == [Count(2.0, implicit=True)]
 

@@ -3,7 +3,7 @@
 A rank whose data runs out replays its last real batch (a peer's first if it had none) with a count of 0: its
 collectives stay matched and it adds nothing (:meth:`Participation.replay`). Every rank's epoch ends at the same step:
 after the longest rank's last batch or, unsized, at the first window end where no rank has a real batch left. A
-checkpoint keeps each rank's place and its loader's state before its first untrained batch (:meth:`EpochBatches.state`).
+checkpoint keeps each rank's place and its loader's state before its first untrained batch (:meth:`EpochBatches.place`).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from itertools import islice
 from typing import Any, Literal
 
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from lightning_weighted.loaders.extension import extend
 from lightning_weighted.window import Counts
 
-__all__ = ["EpochBatches", "Participation", "Policy", "combined_lengths", "lengths_of", "participating"]
+__all__ = ["EpochBatches", "Participation", "Pass", "Policy", "combined_lengths", "lengths_of", "participating"]
 
 Policy = Literal["pad", "strict"]
 _END = object()
@@ -64,64 +65,89 @@ class Participation:
             raise ValueError(_strict_message(f"after loader position {position}", counts))
 
 
+@dataclass(frozen=True)
+class Pass:
+    """Where one pass over a rank's loader starts and ends, in positions of the epoch (its batches, then replays).
+
+    Attributes:
+        start: the first position handed out (past 0 where the pass resumes mid-epoch).
+        first: the position of the first batch the loader yields; those before ``start`` trained already (skipped).
+        real: the position after this rank's last real batch (``None``: unsized, found where the loader ends).
+        longest: the positions of the epoch on the longest rank (``None``: unsized).
+    """
+
+    start: int = 0
+    first: int = 0
+    real: int | None = None
+    longest: int | None = None
+
+
 class EpochBatches:
     """Yields a rank's batches of each pass, then replays until every rank is done (see the module docstring).
 
     Args:
         participation: the loader's epoch.
-        longest: the longest rank's number of batches (``None``: unsized): every rank yields as many.
-        local: this rank's number of batches (``None``: unsized).
+        lengths: every rank's number of batches of a pass from the start (-1: unsized).
         device: where the collectives' tensors live.
-        shared_first: a rank may hold no batch at all, and replays a peer's first.
         windows: windows end an unsized epoch (training); else a one-value all-reduce before each batch does.
+        relength: every rank's number of batches again, asked at the pass after a resumed one (one collective).
 
     Attributes:
         count: counts ahead: each part's count of a batch, ``count(batch)``, taken as the batch is fetched.
         loader_state: the loader's own ``state_dict`` (a ``StatefulDataLoader``'s), or ``None``.
+        on_length: told the epoch's length where a pass's differs from the pass before (a resumed pass's can).
         position: the position of the next batch handed out.
-        start: where the pass in progress started (past 0 where it resumed mid-epoch).
+        current: the pass in progress.
         passes: how many passes over the loader began.
     """
 
     def __init__(
         self,
         participation: Participation,
-        longest: int | None,
-        local: int | None,
+        lengths: list[int],
         device: torch.device,
-        shared_first: bool = False,
         windows: bool = True,
+        relength: Callable[[], list[int]] | None = None,
     ) -> None:
-        self.participation, self.longest, self.local, self.device = participation, longest, local, device
-        self.shared_first, self.windows = shared_first, windows
+        self.participation, self.device, self.windows, self.relength = participation, device, windows, relength
         self.count: Callable[[Any], Counts] | None = None
         self.loader_state: Callable[[], dict[str, Any]] | None = None
-        self.position = self.start = self.passes = 0
-        self._resume: tuple[int, int | None, int] | None = None
+        self.on_length: Callable[[int], None] | None = None
+        self.current = self._whole = self._fresh(lengths)  # the pass in progress; a pass from the epoch's start
+        self.position = self.passes = 0
+        self._resumed: tuple[Pass, dict[str, Any] | None] | None = None
         self._source: Iterator[Any] = iter(())
         self._held: deque[Any] = deque()  # batches fetched early, in order
         self._counts: deque[Counts] = deque()  # counts of the batches fetched and not planned yet
         self._fetched = 0
-        self._states: dict[int, dict[str, Any]] = {}  # the loader's state before each real batch still needed
+        self._states: dict[int, dict[str, Any]] = {}  # the loader's state before the real batch at each position
 
-    def resume(self, position: int, real: int | None, at: int = 0) -> None:
-        """Starts the next pass at ``position``, a mid-epoch resume.
+    @property
+    def longest(self) -> int | None:
+        """The positions of the epoch in progress on the longest rank (``None``: unsized)."""
+        return self.current.longest
 
-        Args:
-            position: where the run resumes: the batches before it were trained.
-            real: this rank's real batches in the epoch, where known.
-            at: the real batch the loader yields first (0 without state); those up to ``position`` are skipped.
-        """
-        self._resume = (position, real, at)
+    def resume(self, resumed: Pass, loaded: dict[str, Any] | None = None) -> None:
+        """Starts the next pass where ``resumed`` says, the loader put back to ``loaded`` (before ``resumed.first``)."""
+        self._resumed = (resumed, loaded)
+        self.current = resumed
 
     def iterate(self, iterator: Iterator[Any]) -> Iterator[Any]:
         """The batches of one pass, which starts as Lightning asks for the iterator (a stage of ``extend``)."""
-        start, real, at = self._resume or (0, None, 0)
-        self._resume, self.passes = None, self.passes + 1
-        self.participation.new_epoch(self.local if real is None else real)
-        self.position = self.start = self._fetched = start
-        self._held, self._counts, self._states = deque(), deque(), {}
-        self._source = self._produce(iterator, start, at)
+        if self._resumed is not None:
+            (current, loaded), self._resumed = self._resumed, None
+        else:
+            if self.relength is not None and self.passes and self.current.start > 0:  # after a resumed pass
+                self._whole = self._fresh(self.relength())
+            current, loaded = self._whole, None
+            if current.longest not in (None, self.current.longest) and self.on_length is not None:
+                self.on_length(current.longest)
+        self.current, self.passes = current, self.passes + 1
+        self.participation.new_epoch(current.real)
+        self.position = self._fetched = current.start
+        self._held, self._counts = deque(), deque()
+        self._states = {current.first: copy.deepcopy(loaded)} if loaded is not None else {}
+        self._source = self._produce(iterator, current)
         return self._handed(self.passes)
 
     def take(self, size: int) -> list[Counts]:
@@ -140,18 +166,29 @@ class EpochBatches:
             self._held.append(item)
         return list(islice(self._counts, size))
 
-    def state(self, trained: int) -> dict[str, Any]:
-        """This rank's place for a checkpoint, once ``trained`` batches of the pass trained."""
+    def place(self, trained: int, last: bool) -> dict[str, Any]:
+        """This rank's place for a checkpoint, once ``trained`` positions of the pass trained (``last``: all of them).
+
+        ``at`` is the position its ``loader`` state stands before: the first untrained real batch, or, on a rank that
+        replays, its last real one (which its resumed pass replays); at the epoch's end, the loader's state after it.
+        """
         real = self.participation.real
-        at = trained if real is None or trained < real else max(real - 1, 0)
+        at = trained if last or real is None or trained < real else max(real - 1, self.current.first)
         loader = None
         if self.loader_state is not None:
-            loader = self._states[at] if at in self._states else copy.deepcopy(self.loader_state())
+            saved = None if last else self._states.get(at)
+            loader = saved if saved is not None else copy.deepcopy(self.loader_state())
         return {"position": trained, "real": real, "at": at, "loader": loader}
 
     def state_before(self, position: int) -> dict[str, Any] | None:
         """The loader's own state before the batch at ``position``, where it was fetched already."""
         return self._states.get(position)
+
+    def _fresh(self, lengths: list[int]) -> Pass:
+        self.shared_first = min(lengths) <= 0  # some rank may hold no batch and replay a peer's first
+        local = lengths[dist.get_rank() if dist.is_initialized() else 0]
+        sized = all(n >= 0 for n in lengths)
+        return Pass(0, 0, local if local >= 0 else None, max(lengths) if sized else None)
 
     def _handed(self, passes: int) -> Iterator[Any]:
         while passes == self.passes:
@@ -174,39 +211,39 @@ class EpochBatches:
             self._fetched += 1
         return item
 
-    def _produce(self, iterator: Iterator[Any], start: int, at: int) -> Iterator[Any]:
+    def _produce(self, iterator: Iterator[Any], current: Pass) -> Iterator[Any]:
         # A sized loader tells its real batches and is read no earlier than asked (its state stays the state of what
         # was consumed); an unsized one is read one batch ahead, to know its last before it is used.
-        state, local = self.participation, self.participation.real
-        seen, template, drain = at, _END, start > 0 and self.loader_state is not None
-        while seen < start and (local is None or seen < local):  # what was trained: skipped, the last one kept
-            skipped = next(iterator, _END)
-            if skipped is _END:
-                break
-            seen, template = seen + 1, skipped
+        state, real, longest = self.participation, current.real, current.longest
+        read = current.first  # the position of the loader's next batch
 
         def fetch() -> Any:
-            nonlocal seen, drain
-            item: Any = _END
-            if local is None or seen < local:
-                if self.loader_state is not None:
-                    self._states[seen] = copy.deepcopy(self.loader_state())
-                item = next(iterator, _END)
-            # a loader put back mid-epoch is read to its end as an uninterrupted epoch reads it, before its last
-            # real batch is handed out: Lightning asks for no batch after a sized loader's last
-            if drain and (item is _END or (local is not None and seen + 1 >= local)):
-                next(iterator, None)
-                drain = False
+            nonlocal read
+            if real is not None and read >= real:
+                return _END
+            item = next(iterator, _END)
             if item is _END:
-                state.real = seen
+                state.real = read
+                return _END
+            read += 1
+            if read == real:  # read to its end, as an uninterrupted epoch is: its state is the finished one
+                next(iterator, None)
+            if self.loader_state is not None:  # never before the pass's first batch: a loaded state is pending
+                self._states[read] = copy.deepcopy(self.loader_state())
             return item
 
+        template: Any = _END
+        while read < current.start:  # what was trained: skipped, the last one kept to replay
+            skipped = fetch()
+            if skipped is _END:
+                break
+            template = skipped
         following = fetch()
         template = following if following is not _END else template
-        template = _shared(template, self.shared_first or start > 0, self.device)
-        yielded = start
-        while self.longest is None or yielded < self.longest:
-            if self.longest is None and not self.windows and not any(_gather(int(following is not _END), self.device)):
+        template = _shared(template, self.shared_first or current.start > 0, self.device)
+        yielded = current.start
+        while longest is None or yielded < longest:
+            if longest is None and not self.windows and not any(_gather(int(following is not _END), self.device)):
                 return  # no rank has a batch left: the epoch ends here on every rank
             if following is _END:
                 if template is _END:
@@ -214,8 +251,7 @@ class EpochBatches:
                 item = template
             else:
                 item = template = following
-                seen += 1
-                following = None if local is not None else fetch()
+                following = None if real is not None else fetch()
             yielded += 1
             yield item
             if following is None:
@@ -237,22 +273,23 @@ def participating(
     :class:`EpochBatches` (``None``: left as it is).
     """
     lengths = lengths_of(loader, device) if lengths is None else lengths
-    local = lengths[dist.get_rank() if dist.is_initialized() else 0]
     sized = all(n >= 0 for n in lengths)
     if sized and len(set(lengths)) == 1 and not always:
         return loader, None
     if participation.policy == "strict" and sized and len(set(lengths)) > 1:
         raise ValueError(_strict_message("in their dataloaders", lengths))
     participation.replays = not sized or len(set(lengths)) > 1
-    longest = max(lengths) if sized else None
-    stage = EpochBatches(participation, longest, local if local >= 0 else None, device, min(lengths) <= 0, windows)
-    return extend(loader, stage.iterate, None if longest is None else lambda: longest), stage
+    stage = EpochBatches(participation, lengths, device, windows)
+    return extend(loader, stage.iterate, None if not sized else lambda: stage.longest or 0), stage
 
 
-def lengths_of(loader: Any, device: torch.device) -> list[int]:
-    """Every rank's number of batches in its ``loader`` (-1 for a loader without a length): one all-reduce."""
+def lengths_of(loader: Any, device: torch.device, length: Callable[[Any], int] = len) -> list[int]:
+    """Every rank's number of batches in its ``loader`` (-1 for a loader without a length): one all-reduce.
+
+    ``length``: how a loader's length is read (the one past an extension: ``extension.own_length``).
+    """
     try:
-        local = len(loader)
+        local = length(loader)
     except (TypeError, NotImplementedError):
         local = -1
     return _gather(local, device)

@@ -22,7 +22,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-__all__ = ["Extension", "Stage", "extend", "extension", "own_state", "restore"]
+__all__ = ["Extension", "Stage", "extend", "extension", "own_length", "own_state", "restore"]
 
 Stage = Callable[[Iterator[Any]], Iterator[Any]]
 
@@ -32,19 +32,19 @@ class Extension:
 
     Attributes:
         stages: what its iteration runs through, in order.
-        length: what replaces its length.
+        length: what replaces its length (where it gives ``None``, its own).
         state: the state to save instead of its own (of an earlier moment: what was trained), or ``None``.
         load: what to load instead of a given state (this rank's own); ``None`` from it: load nothing.
     """
 
     def __init__(self) -> None:
         self.stages: list[Stage] = []
-        self.length: Callable[[], int] | None = None
+        self.length: Callable[[], int | None] | None = None
         self.state: Callable[[], dict[str, Any] | None] | None = None
         self.load: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None
 
 
-def extend(loader: Any, stage: Stage | None = None, length: Callable[[], int] | None = None) -> Any:
+def extend(loader: Any, stage: Stage | None = None, length: Callable[[], int | None] | None = None) -> Any:
     """Runs ``loader``'s iteration through ``stage`` (after its earlier ones); ``length`` replaces its length."""
     if not isinstance(loader, (_Extended, _ExtendedIterable)):
         if isinstance(loader, DataLoader):
@@ -71,6 +71,13 @@ def own_state(loader: Any) -> Callable[[], dict[str, Any]] | None:
     return own if callable(own) else None
 
 
+def own_length(loader: Any) -> int:
+    """The extended loader's own length, past the extension (``TypeError`` where it has none)."""
+    if isinstance(loader, _Extended):
+        return super(_Extended, loader).__len__()
+    return len(loader.iterable if isinstance(loader, _ExtendedIterable) else loader)
+
+
 def restore(loader: Any) -> Any:
     """Gives an extended ``DataLoader`` back its own class; returns what was extended (the wrapped iterable)."""
     if isinstance(loader, _Extended):
@@ -90,7 +97,8 @@ class _Extended(DataLoader[Any]):
     _lw: Extension
 
     def __len__(self) -> int:
-        return self._lw.length() if self._lw.length is not None else super().__len__()
+        length = self._lw.length() if self._lw.length is not None else None
+        return length if length is not None else super().__len__()
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator over DataLoader's own iterator
         return _run(self._lw, iter(super().__iter__()))
@@ -129,7 +137,8 @@ class _ExtendedIterable:
         self._lw = Extension()
 
     def __len__(self) -> int:
-        return self._lw.length() if self._lw.length is not None else len(self.iterable)
+        length = self._lw.length() if self._lw.length is not None else None
+        return length if length is not None else len(self.iterable)
 
     def __iter__(self) -> Iterator[Any]:
         return _run(self._lw, iter(self.iterable))

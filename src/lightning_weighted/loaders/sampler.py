@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Sized
+from itertools import islice
 from typing import Any, TypeVar
 
 import torch
@@ -12,7 +14,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampl
 
 from lightning_weighted._compat import rebuild_loader, set_sampler
 
-__all__ = ["InsertedReplicas", "UnpaddedDistributedSampler", "marked", "without_padding"]
+__all__ = ["InsertedReplicas", "UnpaddedDistributedSampler", "dealt_sampler", "marked", "taken", "without_padding"]
 
 T = TypeVar("T")
 
@@ -42,14 +44,32 @@ class UnpaddedDistributedSampler(DistributedSampler[T]):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)
         self.total_size = len(dataset)
         self.num_samples = len(range(self.rank, self.total_size, self.num_replicas))
+        self.dealt: tuple[int, int] | None = None  # a resumed epoch, and how many items of its order trained before
 
-    def __iter__(self) -> Iterator[T]:
+    def order(self) -> list[Any]:
+        """Every index of the epoch set last, in the order the ranks take them in turn."""
         if self.shuffle:
             generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            indices: list[Any] = torch.randperm(self.total_size, generator=generator).tolist()
-        else:
-            indices = list(range(self.total_size))
-        return iter(indices[self.rank : self.total_size : self.num_replicas])
+            return torch.randperm(self.total_size, generator=generator).tolist()
+        return list(range(self.total_size))
+
+    def deal_from(self, epoch: int, consumed: int) -> None:
+        """Deals epoch ``epoch`` from item ``consumed`` of its order on: the items before it trained already.
+
+        A run resumed mid-epoch on another number of ranks deals what is left of the epoch over its own ranks; the
+        epochs after it are dealt whole.
+        """
+        self.set_epoch(epoch)
+        self.dealt = (epoch, consumed)
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self.order()[self._first() + self.rank :: self.num_replicas])
+
+    def __len__(self) -> int:
+        return len(range(self._first() + self.rank, self.total_size, self.num_replicas))
+
+    def _first(self) -> int:
+        return self.dealt[1] if self.dealt is not None and self.dealt[0] == self.epoch else 0
 
 
 class _UnpaddedWrapper(UnpaddedDistributedSampler[T]):
@@ -104,6 +124,25 @@ def without_padding(dataloader: object) -> object:
             " Pass a sampler of your own, or a DataLoader that Lightning can re-create."
         )
         return dataloader
+
+
+def dealt_sampler(loader: object) -> UnpaddedDistributedSampler[Any] | None:
+    """The sampler inserted in place of Lightning's, whose epoch's order can be dealt again; ``None`` if none."""
+    batches = getattr(loader, "batch_sampler", None)
+    for sampler in (getattr(loader, "sampler", None), getattr(batches, "sampler", None)):
+        if type(sampler) is UnpaddedDistributedSampler:
+            return sampler
+    return None
+
+
+def taken(loader: object, indices: list[int], batches: int) -> int:
+    """How many of ``indices`` the first ``batches`` batches of ``loader``'s batch sampler take, run over them."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if batch_sampler is None:  # `batch_size=None`: an index a batch
+        return min(batches, len(indices))
+    replica = copy.copy(batch_sampler)
+    replica.sampler = indices
+    return sum(len(batch) for batch in islice(replica, batches))
 
 
 def _inserted(sampler: object) -> bool:

@@ -8,19 +8,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_weighted._compat import LOADER_BARRIERS, combined_mode
+from lightning_weighted._compat import LOADER_BARRIERS, combined_mode, set_sampler_epoch, set_train_batches
 from lightning_weighted.loaders import EpochBatches, Participation, Policy, participating, without_padding
-from lightning_weighted.loaders.epoch import combined_lengths, combined_message, lengths_of
-from lightning_weighted.loaders.extension import extend, extension, own_state, restore
+from lightning_weighted.loaders.epoch import _strict_message, combined_lengths, combined_message, lengths_of
+from lightning_weighted.loaders.extension import extend, extension, own_length, own_state, restore
+from lightning_weighted.loaders.resume import FORMAT, KEY, Resumed, dataset_length, whole_epoch
 from lightning_weighted.window import Counts
-
-_KEY = "lightning_weighted"  # each rank's place in its train epoch, in a checkpoint
 
 
 class FitLoaders:
     """What the strategy does to each loader Lightning builds (train, val, test), and undoes when the fit ends.
 
-    Where ranks hold unequal batches they replay; one train loader is counted ahead and keeps each rank's place.
+    Where ranks hold unequal batches they replay; the one train loader is counted ahead, keeps every rank's place in a
+    checkpoint, and resumes from one (:mod:`lightning_weighted.loaders.resume`).
 
     Args:
         policy: what a rank whose data ran out does (``"pad"`` or ``"strict"``).
@@ -30,20 +30,23 @@ class FitLoaders:
     def __init__(self, policy: Policy, device: torch.device) -> None:
         self.policy, self.device = policy, device
         self.train = Participation(policy)  # the train loader's epoch (one, for the loaders a CombinedLoader holds)
-        self.stage: EpochBatches | None = None  # the one train loader's batches, where it was extended
+        self.stage: EpochBatches | None = None  # the one train loader's batches
         self.evaluation: dict[str, list[Participation]] = {"val": [], "test": []}  # one per evaluation loader
         self.count: Callable[[Any], Counts] | None = None  # counts ahead: each part's count of a batch
         self.train_loaders: list[Any] = []
-        self.fit_loop: Any = None  # Lightning's fit loop, whose train CombinedLoader names its mode
+        self.trainer: Any = None  # the fit's Trainer, whose fit loop names the train CombinedLoader's mode
         self._lengths: list[list[int]] = []  # every rank's length of each train loader (-1: none)
         self._stage_name = ""
         self._extended: list[Any] = []
-        self._resumed: dict[str, Any] | None = None  # this rank's place in the epoch a checkpoint resumes
+        self._resumed: Resumed | None = None  # where the checkpoint a fit resumes from left every rank
+        self._resumed_epoch: int | None = None  # the epoch it resumes, for the other loaders of a CombinedLoader
+        self._deal: tuple[int, dict[str, Any], int | None] = (0, whole_epoch(), None)  # the pass, deal, items dealt
 
     @property
     def combined(self) -> bool:
         """Whether a train batch combines several loaders' batches (in every mode but ``"sequential"``)."""
-        return len(self.train_loaders) > 1 and combined_mode(self.fit_loop) != "sequential"
+        fit_loop = getattr(self.trainer, "fit_loop", None)
+        return len(self.train_loaders) > 1 and combined_mode(fit_loop) != "sequential"
 
     def at_barrier(self, name: str | None) -> None:
         """Notes which stage's loaders come next; its earlier loaders are given back (they are set up anew)."""
@@ -51,6 +54,7 @@ class FitLoaders:
         if self._stage_name == "train":
             self.release(self.train_loaders)
             self.train_loaders, self.train.replays, self._lengths, self.stage = [], False, [], None
+            self._resumed_epoch = None
         elif self._stage_name:
             self.evaluation[self._stage_name] = []
 
@@ -63,32 +67,51 @@ class FitLoaders:
             participation = Participation(self.policy)
             self.evaluation[self._stage_name].append(participation)
             return self._kept(participating(loader, participation, self.device, windows=False)[0])
-        lengths = lengths_of(loader, self.device)
-        self._lengths = [*self._lengths, lengths]
-        if len(self._lengths) == 1:  # one loader, so far: its own length rules
-            stateful = callable(getattr(loader, "state_dict", None))
-            always = bool(self.count or stateful or self._resumed)
-            loader, self.stage = participating(loader, self.train, self.device, lengths=lengths, always=always)
-            self._set_up(loader)
+        if not self.train_loaders:
+            loader = self._train(loader)
         else:
-            if len(self._lengths) == 2:  # the first loader is one of several: the combined batches' lengths rule
+            if self._resumed_epoch is not None:
+                set_sampler_epoch(loader, self._resumed_epoch)
+            if len(self._lengths) == 1:  # the first loader is one of several: the combined batches' lengths rule
                 self._reset(self.train_loaders[0])
+            self._lengths.append(lengths_of(loader, self.device))
             loader = self._combined(loader)
         self.train_loaders.append(self._kept(loader))
         return loader
 
-    def _set_up(self, loader: Any) -> None:
-        """The one train loader's stage: its own state saved as of what was trained, and a resumed place put back."""
-        stage, extended = self.stage, extension(loader)
-        if stage is None or extended is None:
-            return
+    def _train(self, loader: Any) -> Any:
+        """The first train loader: planned from a checkpoint, its lengths known once, its pass staged, extended."""
+        resumed, self._resumed = self._resumed, None
+        world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+        plan = resumed.plan(loader, world, rank) if resumed is not None else None
+        lengths = lengths_of(loader, self.device)  # as the plan deals it
+        self._lengths = [lengths]
+        if resumed is not None and plan is not None:
+            self._resumed_epoch = resumed.epoch
+            reals = [place["real"] if place is not None else None for place in resumed.places]
+            plan = plan.lengths(lengths, len(resumed.places) == world, reals)
+        if plan is not None and plan.loaded is not None:  # here: Lightning loads no state at an epoch's end
+            loader.load_state_dict(plan.loaded)
+        sized = all(n >= 0 for n in lengths)
+        if self.policy == "strict" and sized and len(set(lengths)) > 1:
+            raise ValueError(_strict_message("in their dataloaders", lengths))
+        self.train.replays = not sized or len(set(lengths)) > 1 or (resumed is not None and resumed.middle)
+        stage = self.stage = EpochBatches(
+            self.train, lengths, self.device, relength=lambda: lengths_of(loader, self.device, own_length)
+        )
         stage.loader_state, stage.count = own_state(loader), self.count
-        extended.state = lambda: stage.state_before(stage.position)
-        resumed = self._resumed
-        if resumed is not None:
-            stage.resume(resumed["position"], resumed["real"], resumed["at"] if stage.loader_state is not None else 0)
-            extended.load = lambda given: resumed["loader"]  # this rank's own; None: nothing left to load
-            self._resumed = None
+        stage.on_length = lambda batches: set_train_batches(self.trainer, batches)
+        extended = extension(extend(loader, stage.iterate, lambda: stage.longest))
+        assert extended is not None
+        extended.state = lambda: stage.state_before(stage.position)  # Lightning saves the state of what trained
+        if plan is not None:
+            if plan.first is not None:
+                stage.resume(plan.first, plan.loaded)
+            extended.load = lambda given: None  # this rank's own state is loaded already, not rank 0's
+            self._deal = (1, plan.segment, plan.items)
+        else:
+            self._deal = (1, whole_epoch(), None)
+        return loader
 
     def _combined(self, loader: Any) -> Any:
         """One of several train loaders, refused as Lightning sizes it where the ranks' combined lengths differ."""
@@ -97,7 +120,7 @@ class FitLoaders:
         local = len(loader)
 
         def checked_length() -> int:
-            mode = combined_mode(self.fit_loop)
+            mode = combined_mode(getattr(self.trainer, "fit_loop", None))
             combined = combined_lengths(mode, self._lengths)
             if combined is not None and len(set(combined)) > 1:
                 raise ValueError(combined_message(mode, self._lengths, combined))
@@ -121,34 +144,32 @@ class FitLoaders:
             self.stage.count = None
         return ahead
 
-    def save(self, checkpoint: dict[str, Any], progress: tuple[int, bool] | None) -> None:
-        """Puts every rank's place in the train epoch into ``checkpoint``, beside rank 0's loader state (a collective).
+    def save(self, checkpoint: dict[str, Any], progress: tuple[int, bool] | None, epoch: int) -> None:
+        """Puts every rank's place in the train epoch ``epoch`` into ``checkpoint`` (a collective).
 
         ``progress``: how many batches of the epoch trained, and whether the last one did (``None``: no fit).
         """
-        stage = self.stage
-        mine = None if stage is None or progress is None else {**stage.state(progress[0]), "last": progress[1]}
+        if progress is None:
+            return
+        stage, mine = self.stage, None
+        if stage is not None:
+            trained, last = progress
+            deal, segment, items = self._deal
+            if stage.passes != deal:  # a pass after the one the plan dealt: the epoch is dealt whole
+                segment, items = whole_epoch(), None
+            loader, place = self.train_loaders[0], stage.place(trained, last)
+            length = dataset_length(loader)
+            mine = {**place, "epoch": epoch, "last": last, "segment": segment, "items": items or length}
+            mine["dataset"] = length
         ranks: list[Any] = [mine]
         if dist.is_initialized():
             ranks = [None] * dist.get_world_size()
             dist.all_gather_object(ranks, mine)
-        if any(rank is not None for rank in ranks):
-            checkpoint[_KEY] = {"ranks": ranks}
+        checkpoint[KEY] = {"format": FORMAT, "ranks": ranks}
 
     def load(self, checkpoint: dict[str, Any]) -> None:
-        """Takes every rank's place from a checkpoint (mid-epoch: of as many ranks); the next train loader resumes."""
-        ranks = checkpoint.pop(_KEY, {"ranks": []})["ranks"]
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        middle = [r for r in ranks if r is not None and not r["last"] and r["position"] > 0]
-        if not middle:
-            return
-        if len(ranks) != world:
-            raise ValueError(
-                f"The checkpoint was taken in the middle of an epoch on {len(ranks)} ranks, each at its own place in"
-                f" its own shard, and the run resumes on a different number of ranks ({world}), whose shards differ."
-                f" Resume on {len(ranks)} ranks, or from a checkpoint taken at an epoch's end."
-            )
-        self._resumed = ranks[dist.get_rank() if dist.is_initialized() else 0]
+        """Takes every rank's place from a checkpoint; the next train loader resumes there (refuses what cannot)."""
+        self._resumed = Resumed.read(checkpoint)
 
     def release(self, loaders: list[Any] | None = None) -> None:
         """Gives back the loaders this run extended (all of them by default)."""

@@ -76,7 +76,7 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
     def setup(self, trainer: Trainer) -> None:
         counter, self._fetches_itself, wording = _rules(trainer, self.strategy_name)
         self._counter, self._checks_batch = counter, bool(wording.hooks)
-        self._loaders.device, self._loaders.fit_loop = self.root_device, trainer.fit_loop
+        self._loaders.device, self._loaders.trainer = self.root_device, trainer
         self._loaders.count = None if counter is None else (lambda batch: counter.counts(batch, host=True))
         super().setup(trainer)
         engine = self._make_engine()
@@ -177,7 +177,9 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         module = self.lightning_module
-        self._loaders.save(checkpoint, train_progress(module.trainer) if module is not None else None)
+        trainer = module.trainer if module is not None else None
+        progress = train_progress(trainer) if trainer is not None else None
+        self._loaders.save(checkpoint, progress, trainer.current_epoch if trainer is not None else 0)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -219,7 +221,7 @@ class TrainWindows:
         if stage is not None:  # a pass counts from where it started, whatever `batch_idx` Lightning starts from
             if self._first[0] != stage.passes:
                 self._first = (stage.passes, index)
-            position = stage.start + index - self._first[1]
+            position = stage.current.start + index - self._first[1]
         state = self.seam.batch = BatchState(position, train.replay(position), train.replays)
         if self.ahead and not self.loop.open:
             assert stage is not None
