@@ -61,13 +61,15 @@ def run(
     timeout: float,
     env: dict[str, str] | list[dict[str, str]] | None = None,
     check_leftovers: bool = False,
+    grace: float = 10.0,
 ) -> Done:
     """Runs a command (or several at once, each with its own ``env``) on a free loopback port, each in its own
     session; returns when all have exited, or fails the test on a hang.
 
-    Several commands are one run: when one fails the others get 10 s to report their own errors, then the run
-    ends. Every process of the run, in whatever session (``torchrun`` starts its workers in their own), carries
-    ``LW_RUN=<token>`` in its environment, which finds them all for the stack dump and the final kill.
+    Several commands are one run: when one fails the others get ``grace`` seconds to report their own errors (or,
+    elastic, to go on without it), then the run ends. Every process of the run, in whatever session (``torchrun``
+    starts its workers in their own), carries ``LW_RUN=<token>`` in its environment, which finds them all for the
+    stack dump and the final kill.
     """
     commands = command if command and isinstance(command[0], list) else [command]
     envs = env if isinstance(env, list) else [env or {}] * len(commands)
@@ -93,7 +95,7 @@ def run(
             now = time.monotonic()
             if failed_at is None and any(process.poll() not in (None, 0) for process in processes):
                 failed_at = now  # one side failed: give the others a moment to report their own errors
-            if now > deadline or (failed_at is not None and now > failed_at + 10):
+            if now > deadline or (failed_at is not None and now > failed_at + grace):
                 hung = now > deadline
                 _signal(_processes_of(token), signal.SIGUSR1)  # faulthandler in every rank prints its stacks
                 time.sleep(2)
