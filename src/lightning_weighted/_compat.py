@@ -8,8 +8,9 @@ the one protected method overridden: ``FSDPStrategy._setup_model``, to wrap a mo
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -23,11 +24,11 @@ from torch.utils.data import DataLoader
 __all__ = [
     "LOADER_BARRIERS", "BackwardSyncControl", "StrategyRegistry", "augment_message", "checkpoint_progress",
     "combined_mode", "ddp_kwargs", "fetched_batch", "flat_parameters", "flatten_mesh", "forward_redirection",
-    "fsdp1_options", "fsdp2_param_groups", "fsdp2_policies", "fsdp2_shard_sizes", "fsdp_setup_helpers", "join_enabled",
-    "litdata_drops_last", "litdata_loader", "litdata_resumed", "metric_restore", "metric_snapshot", "multiply",
-    "parallel_sizes", "rebuild_loader", "reduce_scatter", "register", "require_torch", "set_backward_sync_control",
-    "set_litdata_epoch", "set_parallel_sizes", "set_sampler", "set_sampler_epoch", "set_train_batches",
-    "train_batch_idx", "train_progress", "trainer_of", "unfloored",
+    "fsdp1_checkpoints", "fsdp1_options", "fsdp2_param_groups", "fsdp2_policies", "fsdp2_shard_sizes",
+    "fsdp_setup_helpers", "join_enabled", "litdata_drops_last", "litdata_loader", "litdata_resumed", "metric_restore",
+    "metric_snapshot", "multiply", "parallel_sizes", "rebuild_loader", "reduce_scatter", "register", "require_torch",
+    "set_backward_sync_control", "set_litdata_epoch", "set_parallel_sizes", "set_sampler", "set_sampler_epoch",
+    "set_train_batches", "train_batch_idx", "train_progress", "trainer_of", "unfloored",
 ]
 # fmt: on
 
@@ -234,6 +235,48 @@ def flat_parameters(module: nn.Module) -> list[Tensor]:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     return [unit._flat_param for unit in FullyShardedDataParallel.fsdp_modules(module) if unit._flat_param is not None]
+
+
+@contextlib.contextmanager
+def fsdp1_checkpoints(full_context: Callable[..., Any] | None = None) -> Iterator[None]:
+    """FSDP1's checkpoints (Fabric's save and load, the Trainer's load) as they work on the CPU and for any optimizer.
+
+    Each mends one helper those methods call by name, for the length of the block:
+
+    - ``lightning.fabric.strategies.fsdp._get_full_state_dict_context`` offloads to the CPU, which on a CPU model
+      segfaults: ``full_context`` (``None``: not on the CPU) replaces it;
+    - torch's distributed checkpoint drops an empty container, so an optimizer without state (SGD without momentum)
+      loads from a sharded checkpoint without ``"state"``, which ``FSDP.optim_state_dict_to_load`` refuses:
+      ``torch.distributed.checkpoint.optimizer.load_sharded_optimizer_state_dict`` puts an empty one back;
+    - ``lightning.fabric.strategies.model_parallel._rekey_optimizer_state_if_needed`` reads the first key of the
+      state of a full checkpoint's optimizer (``IndexError`` where it has none): one without state is kept as it is.
+    """
+    from lightning.fabric.strategies import fsdp, model_parallel
+    from torch.distributed.checkpoint import optimizer
+
+    loading, rekeying = optimizer.load_sharded_optimizer_state_dict, model_parallel._rekey_optimizer_state_if_needed
+
+    def load_with_state(model_state_dict: Any, optimizer_key: str, *args: Any, **kwargs: Any) -> Any:
+        loaded = loading(model_state_dict, optimizer_key, *args, **kwargs)
+        loaded[optimizer_key].setdefault("state", {})
+        return loaded
+
+    def rekey(state: dict[str, Any], module: nn.Module) -> dict[str, Any]:
+        return state if not state["state"] else rekeying(state, module)
+
+    mended: list[tuple[Any, str, Any]] = [
+        (fsdp, "_get_full_state_dict_context", full_context or fsdp._get_full_state_dict_context),
+        (optimizer, "load_sharded_optimizer_state_dict", load_with_state),
+        (model_parallel, "_rekey_optimizer_state_if_needed", rekey),
+    ]
+    originals = [getattr(owner, name) for owner, name, _ in mended]
+    for owner, name, replacement in mended:
+        setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        for (owner, name, _), original in zip(mended, originals, strict=True):
+            setattr(owner, name, original)
 
 
 def fsdp_setup_helpers() -> tuple[Callable[..., Any], Callable[..., Any]]:

@@ -64,7 +64,6 @@ MESSAGES = {
 ENGINES = ("ddp", "fsdp2", "fsdp1")
 PATHS = ("after", "ahead")
 LR = 0.1
-MOMENTUM = 0.9  # SGD keeps a state, which a resume must restore
 LBFGS = {"lr": 0.5, "max_iter": 3, "history_size": 4}
 WORLD = 2
 LENGTHS = (7, 5)  # batches per rank and epoch, by default
@@ -149,6 +148,8 @@ DEFAULTS: dict[str, Any] = {
     "hook": None,  # see matrix_worker.MatrixModule
     "stop_at": None,  # (epoch, batch_idx) where on_train_batch_start returns -1
     "optimizer": "sgd",  # sgd | lbfgs
+    "momentum": 0.9,  # SGD's: with 0 it keeps no state, which a checkpoint must save and load all the same
+    "state_dict_type": "sharded",  # FSDP1's checkpoints (Trainer and Fabric): sharded | full
     "combined": None,  # {"mode": ..., "lengths": [[loader 0 per rank], [loader 1 per rank]]}
     "checkpoint": None,  # "epoch" (at each epoch end) | k (every k optimizer steps)
     "raise_at": None,  # (epoch, batch_idx) where training_step raises on every rank (OnExceptionCheckpoint saves)
@@ -354,6 +355,12 @@ ROWS: list[Row] = [
     # ------------------------------------------------------------------------------------------------- resume
     Row("resume-epoch-end", RESUME, "checkpoint at the end of epoch 0, `fit(ckpt_path=...)` in fresh processes",
         options={"checkpoint": "epoch", "resume_from": 4}, home=("fsdp1", "after")),
+    Row("resume-stateless-optimizer", RESUME, "a mid-epoch checkpoint (step 2) of an optimizer that keeps no state"
+        " (SGD without momentum)", options={"checkpoint": 2, "resume_from": 2, "momentum": 0.0},
+        home=("fsdp1", "after")),
+    Row("resume-full-state-dict", RESUME, "a mid-epoch checkpoint (step 2) of FSDP1 with `state_dict_type='full'`",
+        options={"checkpoint": 2, "resume_from": 2, "state_dict_type": "full"}, engines=("fsdp1",),
+        home=("fsdp1", "after")),
     Row("resume-mid-epoch-stateful", RESUME, "mid-epoch checkpoint (step 2 of 4) with a `StatefulDataLoader`,"
         " every rank still holding data", options={"loader": "stateful", "checkpoint": 2, "resume_from": 2},
         home=("ddp", "ahead")),
@@ -439,6 +446,13 @@ ROWS: list[Row] = [
         front="fabric", extra=("padding",), options={"cycle_steps": 5, "accumulate": 3}, home=("ddp", "ahead")),
     Row("fabric-save-load", FABRIC, "`fabric.save` at the end of epoch 0, `fabric.load` in fresh processes",
         front="fabric", extra=("padding",), options={"save_after": 4, "resume_from": 4}),
+    Row("fabric-save-load-full", FABRIC, "`fabric-save-load` with FSDP1's `state_dict_type='full'` (LitGPT's) on the"
+        " CPU, and an optimizer that keeps no state (SGD without momentum)", front="fabric", extra=("padding",),
+        engines=("fsdp1",), home=("fsdp1", "after"),
+        options={"save_after": 4, "resume_from": 4, "state_dict_type": "full", "momentum": 0.0}),
+    Row("fabric-save-load-stateless", FABRIC, "`fabric-save-load` with an optimizer that keeps no state (SGD without"
+        " momentum), FSDP1's checkpoint sharded", front="fabric", extra=("padding",), home=("fsdp1", "after"),
+        options={"save_after": 4, "resume_from": 4, "momentum": 0.0}),
 ]  # fmt: skip
 
 BY_ID = {row.id: row for row in ROWS}
@@ -794,7 +808,7 @@ def reference(row: Row, steps: list[Step], options: Mapping[str, Any] | None = N
     optimizer: torch.optim.Optimizer = (
         torch.optim.LBFGS(model.parameters(), **LBFGS)
         if lbfgs
-        else torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        else torch.optim.SGD(model.parameters(), lr=LR, momentum=option(options, "momentum"))
     )
     saved = [copy.deepcopy((model.state_dict(), optimizer.state_dict()))]  # after each step
     for step in steps:

@@ -114,12 +114,13 @@ def make_strategy(cell: dict[str, Any]) -> Any:
         return ModelParallelStrategy(
             shard_blocks, data_parallel_size=cell["world_size"], tensor_parallel_size=1, timeout=PG_TIMEOUT
         )
+    kind = cell["options"]["state_dict_type"]
     if not weighted:
-        return CPUFSDP1(timeout=PG_TIMEOUT, auto_wrap_policy={nn.Linear}, use_orig_params=True)
+        return CPUFSDP1(timeout=PG_TIMEOUT, auto_wrap_policy={nn.Linear}, use_orig_params=True, state_dict_type=kind)
     fsdp1 = getattr(lightning_weighted, "WeightedFabricFSDPStrategy", None)
     if fsdp1 is None:
         return "fsdp_weighted"  # Fabric's registry says whether the name exists
-    return fsdp1(timeout=PG_TIMEOUT, auto_wrap_policy={nn.Linear}, use_orig_params=True)
+    return fsdp1(timeout=PG_TIMEOUT, auto_wrap_policy={nn.Linear}, use_orig_params=True, state_dict_type=kind)
 
 
 def whole_params(model: Any) -> list[torch.Tensor]:
@@ -160,7 +161,7 @@ class Loop:
         )
         self.fabric.launch()
         self.model = self.fabric.setup_module(matrix.make_model().double())
-        optimizer = torch.optim.SGD(self.model.parameters(), lr=matrix.LR, momentum=matrix.MOMENTUM)
+        optimizer = torch.optim.SGD(self.model.parameters(), lr=matrix.LR, momentum=self.options["momentum"])
         self.optimizer = self.fabric.setup_optimizers(optimizer)
         self.clock = Clock()
         shared = self.options["layout"] == "shared"

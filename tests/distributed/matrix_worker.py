@@ -343,7 +343,7 @@ class MatrixModule(LightningModule):
     def configure_optimizers(self) -> Any:
         if self.options["optimizer"] == "lbfgs":
             return torch.optim.LBFGS(self.model.parameters(), **LBFGS)
-        optimizer = torch.optim.SGD(self.model.parameters(), lr=LR, momentum=matrix.MOMENTUM)
+        optimizer = torch.optim.SGD(self.model.parameters(), lr=LR, momentum=self.options["momentum"])
         if self.hook != "scheduler":
             return optimizer
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
@@ -406,7 +406,7 @@ def make_strategy(cell: dict[str, Any]) -> Any:
         cls: Any = lightning_weighted.WeightedModelParallelStrategy if weighted else ModelParallelStrategy
         return cls(data_parallel_size=cell["world_size"], tensor_parallel_size=1, timeout=PG_TIMEOUT)
     cls = lightning_weighted.WeightedFSDPStrategy if weighted else CPUFSDPStrategy
-    return cls(timeout=PG_TIMEOUT, auto_wrap_policy={nn.Linear}, state_dict_type="sharded")
+    return cls(timeout=PG_TIMEOUT, auto_wrap_policy={nn.Linear}, state_dict_type=cell["options"]["state_dict_type"])
 
 
 def make_trainer(cell: dict[str, Any], out: str, record: Record) -> Trainer:

@@ -985,3 +985,36 @@ def test_litdatas_loader_its_state_and_its_elastic_resume_are_read_and_set_where
     pinned("litdata_resumed", not set(ids) & set(left), "StreamingDataset (elastic)", "rank 0's first batch again")
     pinned("set_litdata_epoch", sorted(again) == list(range(37)), "StreamingDataLoader.current_epoch", "the epoch")
     pinned("set_litdata_epoch", fresh.current_epoch == state["current_epoch"] + 1, "StreamingDataLoader.__iter__")
+
+
+@pins("fsdp1_checkpoints")
+def test_fsdp1_checkpoints_mends_the_helpers_fsdp1s_save_and_load_call_by_name_for_the_block_only() -> None:
+    from lightning.fabric.strategies import fsdp, model_parallel
+    from lightning.pytorch.strategies import fsdp as trainer_fsdp
+    from torch.distributed.checkpoint import optimizer
+
+    context = attribute("fsdp1_checkpoints", fsdp, "_get_full_state_dict_context", "lightning.fabric.strategies.fsdp")
+    rekey = attribute("fsdp1_checkpoints", model_parallel, "_rekey_optimizer_state_if_needed", "model_parallel")
+    loading = attribute("fsdp1_checkpoints", optimizer, "load_sharded_optimizer_state_dict", "dcp.optimizer")
+    save, load = fsdp.FSDPStrategy.save_checkpoint, fsdp.FSDPStrategy.load_checkpoint
+    source_says("fsdp1_checkpoints", save, "_get_full_state_dict_context(module, world_size=", "FSDPStrategy.save")
+    source_says("fsdp1_checkpoints", load, "_rekey_optimizer_state_if_needed(checkpoint.pop(", "FSDPStrategy.load")
+    source_says("fsdp1_checkpoints", load, "import load_sharded_optimizer_state_dict", "FSDPStrategy.load_checkpoint")
+    trainer_load = trainer_fsdp.FSDPStrategy.load_checkpoint
+    source_says("fsdp1_checkpoints", trainer_load, "import load_sharded_optimizer_state_dict", "the Trainer's load")
+    source_says("fsdp1_checkpoints", context, "offload_to_cpu=True", "_get_full_state_dict_context")  # why mended
+
+    def in_place(*args: Any) -> None:
+        return None
+
+    with exercising("fsdp1_checkpoints", "the mended helpers"), _compat.fsdp1_checkpoints(in_place):
+        mended = (fsdp._get_full_state_dict_context, model_parallel._rekey_optimizer_state_if_needed)
+        kept = model_parallel._rekey_optimizer_state_if_needed({"state": {}, "param_groups": []}, nn.Linear(1, 1))
+        swapped = optimizer.load_sharded_optimizer_state_dict is not loading
+    pinned("fsdp1_checkpoints", mended[0] is in_place and mended[1] is not rekey and swapped, "the helpers")
+    pinned("fsdp1_checkpoints", kept == {"state": {}, "param_groups": []}, "_rekey_optimizer_state_if_needed")
+    restored = (fsdp._get_full_state_dict_context, model_parallel._rekey_optimizer_state_if_needed)
+    pinned("fsdp1_checkpoints", restored == (context, rekey), "the helpers", "not put back after the block")
+    pinned("fsdp1_checkpoints", optimizer.load_sharded_optimizer_state_dict is loading, "load_sharded_optimizer_state")
+    with pytest.raises(IndexError):  # Lightning's own, which the block mends: a full checkpoint's empty state
+        rekey({"state": {}, "param_groups": []}, nn.Linear(1, 1))

@@ -7,6 +7,7 @@ FSDP1 refuses hooks for the hybrid ones, and ``NO_SHARD`` would SUM an accumulat
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -18,7 +19,7 @@ from torch import Tensor, nn
 from lightning_weighted._compat import flat_parameters, fsdp1_options, fsdp_setup_helpers, reduce_scatter
 from lightning_weighted.engines import FiniteGradients, finite_gradients
 
-__all__ = ["FSDP1Engine", "wrapped_on_cpu"]
+__all__ = ["FSDP1Engine", "full_state_dict_in_place", "wrapped_on_cpu"]
 
 
 class FSDP1Engine(FiniteGradients):
@@ -95,3 +96,20 @@ def wrapped_on_cpu(strategy: Any, module: nn.Module) -> nn.Module | None:
     move_metrics(wrapped, strategy.root_device)
     checkpointing(wrapped, checkpointing_kwargs)
     return wrapped
+
+
+def full_state_dict_in_place(module: nn.Module, rank0_only: bool = True) -> contextlib.AbstractContextManager[Any]:
+    """FSDP1's full state-dict context of Lightning's checkpoints, without its offload to the CPU.
+
+    On a CPU model the offload frees the gathered parameters that the state dict then clones (torch's FSDP
+    state-dict hook segfaults); on the CPU they are where they would go anyway.
+    """
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return FSDP.state_dict_type(
+        module=module,
+        state_dict_type=StateDictType.FULL_STATE_DICT,
+        state_dict_config=FullStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only),
+        optim_state_dict_config=FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only),
+    )

@@ -13,9 +13,9 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_weighted._compat import BackwardSyncControl, set_backward_sync_control
+from lightning_weighted._compat import BackwardSyncControl, fsdp1_checkpoints, set_backward_sync_control
 from lightning_weighted.engines.ddp import DDPEngine, fp16_backward
-from lightning_weighted.engines.fsdp1 import FSDP1Engine, wrapped_on_cpu
+from lightning_weighted.engines.fsdp1 import FSDP1Engine, full_state_dict_in_place, wrapped_on_cpu
 from lightning_weighted.engines.fsdp2 import FSDP2Engine, shard_blocks
 from lightning_weighted.fabric._strategy import WeightedFabricStrategy
 from lightning_weighted.loaders import Policy
@@ -105,6 +105,22 @@ class WeightedFabricFSDPStrategy(WeightedFabricStrategy, FSDPStrategy):
         wrapped = wrapped_on_cpu(self, module) or super().setup_module(module)
         self._start(FSDP1Engine(wrapped))  # its hook is registered before the root's first forward
         return wrapped
+
+    @override
+    def save_checkpoint(self, path: Any, state: Any, storage_options: Any = None, filter: Any = None) -> None:
+        with fsdp1_checkpoints(self._full_context()):
+            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+    @override
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, weights_only: Any = None) -> Any:
+        with fsdp1_checkpoints(self._full_context()):
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+
+    def _full_context(self) -> Any:
+        """The full state-dict context of this strategy's checkpoints: without offload on the CPU, else Fabric's."""
+        if self.root_device.type != "cpu":
+            return None
+        return lambda module, world_size, rank0_only=True: full_state_dict_in_place(module, rank0_only)
 
     @override
     def _syncs(self) -> bool:

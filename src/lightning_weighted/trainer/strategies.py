@@ -17,10 +17,10 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_weighted._compat import augment_message, ddp_kwargs, fsdp1_options, join_enabled
+from lightning_weighted._compat import augment_message, ddp_kwargs, fsdp1_checkpoints, fsdp1_options, join_enabled
 from lightning_weighted.engines import Engine
 from lightning_weighted.engines.ddp import DDPEngine, fp16_backward
-from lightning_weighted.engines.fsdp1 import FSDP1Engine, wrapped_on_cpu
+from lightning_weighted.engines.fsdp1 import FSDP1Engine, full_state_dict_in_place, wrapped_on_cpu
 from lightning_weighted.engines.fsdp2 import FP16_FIX, FSDP2Engine
 from lightning_weighted.loaders import Policy
 from lightning_weighted.strategy import LAUNCHERS, data_parallel_group, every_rank_data_parallel
@@ -85,19 +85,6 @@ UNUSED_PARAMETERS = (
 )
 
 
-def _full_state_dict_in_place(module: Module) -> contextlib.AbstractContextManager[Any]:
-    """FSDP1's full state-dict context of Lightning's checkpoints (rank 0 only), without the offload to the CPU."""
-    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    return FSDP.state_dict_type(
-        module=module,
-        state_dict_type=StateDictType.FULL_STATE_DICT,
-        state_dict_config=FullStateDictConfig(offload_to_cpu=False, rank0_only=True),
-        optim_state_dict_config=FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True),
-    )
-
-
 class WeightedFSDPStrategy(WeightedTrainerStrategy, FSDPStrategy):
     """The weighted strategy over FSDP1, on the CPU too: ``strategy="fsdp_weighted"``.
 
@@ -159,7 +146,7 @@ class WeightedFSDPStrategy(WeightedTrainerStrategy, FSDPStrategy):
         if not self._full_on_cpu():
             return super().lightning_module_state_dict()
         assert self.model is not None
-        with _full_state_dict_in_place(self.model):
+        with full_state_dict_in_place(self.model):
             return self.model.state_dict()
 
     @override
@@ -171,11 +158,16 @@ class WeightedFSDPStrategy(WeightedTrainerStrategy, FSDPStrategy):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer.optimizer
         assert self.model is not None
-        with _full_state_dict_in_place(self.model):
+        with full_state_dict_in_place(self.model):
             state = FullyShardedDataParallel.optim_state_dict(self.model, optimizer)
             if self.global_rank == 0:  # the standard layout, as Lightning saves it
                 state = FullyShardedDataParallel.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, self.model)
         return state
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        with fsdp1_checkpoints():  # a sharded checkpoint of an optimizer without state loads
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     def _full_on_cpu(self) -> bool:
         return fsdp1_options(self)[0] == "full" and self.root_device.type == "cpu"
