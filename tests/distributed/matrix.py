@@ -384,6 +384,9 @@ ROWS: list[Row] = [
         " `StreamingDataLoader` of `litdata-uneven`",
         options={"layout": "litdata", "batch_size": 4, "drop_last": False, "checkpoint": 4, "resume_from": 4},
         extra=("rank_batches",)),
+    Row("resume-mid-epoch-later-litdata-workers", RESUME, "`resume-mid-epoch-later-litdata` with"
+        " `num_workers=2`", options={"layout": "litdata", "batch_size": 4, "drop_last": False, "num_workers": 2,
+                                      "checkpoint": 4, "resume_from": 4}, extra=("rank_batches",)),
     Row("resume-epoch-last-batch-stateful", RESUME, "`every_n_train_steps=4` lands on epoch 0's last batch (rank 0's"
         " 7th, rank 1 replaying), a `StatefulDataLoader` through Lightning's sampler",
         options={"layout": "shared", "loader": "stateful", "shuffle": False, "checkpoint": 4, "resume_from": 4}),
@@ -412,6 +415,9 @@ ROWS: list[Row] = [
         " replaying) resumed on 1, the `StreamingDataLoader` of `litdata-uneven`: LitData's elastic resume from the"
         " 36 items the steps took", options={"layout": "litdata", "batch_size": 4, "drop_last": False,
                                             "accumulate": 1, "checkpoint": 5, "resume_from": 5, "resume_world": 1}),
+    Row("resume-world-2-to-1-litdata-workers", RESUME, "`resume-world-2-to-1-litdata` with `num_workers=2`",
+        options={"layout": "litdata", "batch_size": 4, "drop_last": False, "accumulate": 1, "num_workers": 2,
+                 "checkpoint": 5, "resume_from": 5, "resume_world": 1}),
     Row("resume-world-1-to-2-litdata", RESUME, "a mid-epoch checkpoint of 1 rank at step 3 (A = 1) resumed on 2,"
         " LitData: it resumes from a whole batch of both ranks (8 items), so rank 0 skips the batch the steps took"
         " past it", options={"layout": "litdata", "batch_size": 4, "drop_last": False, "accumulate": 1,
