@@ -8,7 +8,8 @@ each microbatch passes `fabric.backward(loss, count=n)`; counted ahead, the wind
 their counts handed to `fabric.strategy.count_ahead`. The plain strategy divides each mean by the window's size.
 
 A resumed loop (`resume`) loads the checkpoint `fabric.save` wrote and fast-forwards to the next microbatch, with
-`continue` or with `next()`; a rollback loads an earlier checkpoint within the run and trains on. The record has the
+`continue` or with `next()`, or (`skip="state"`, LitGPT's pretraining loop) saves and loads the loader with it, which
+puts it back in its place; a rollback loads an earlier checkpoint within the run and trains on. The record has the
 cell's Trainer record's shape (`matrix_worker.py`).
 """
 
@@ -20,11 +21,12 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
+import litdata_items
 import matrix
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
-from matrix_worker import as_batch
+from matrix_worker import as_batch, stateful
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from worker import rank_arguments, whole
@@ -164,11 +166,14 @@ class Loop:
         optimizer = torch.optim.SGD(self.model.parameters(), lr=matrix.LR, momentum=self.options["momentum"])
         self.optimizer = self.fabric.setup_optimizers(optimizer)
         self.clock = Clock()
-        shared = self.options["layout"] == "shared"
+        layout, make = self.options["layout"], stateful if self.options["loader"] == "stateful" else DataLoader
+        shared = layout == "shared"
         loader: Any = (
-            DataLoader(Items(self.options), batch_size=self.options["batch_size"], shuffle=self.options["shuffle"])
+            make(Items(self.options), batch_size=self.options["batch_size"], shuffle=self.options["shuffle"])
             if shared
-            else DataLoader(Batches(self.options, self.fabric.global_rank, self.clock), batch_size=None)
+            else litdata_items.loader(self.options)
+            if layout == "litdata"
+            else make(Batches(self.options, self.fabric.global_rank, self.clock), batch_size=None)
         )
         self.loader = self.fabric.setup_dataloaders(loader, use_distributed_sampler=shared)
         self.steps = 0  # optimizer steps done
@@ -191,7 +196,9 @@ class Loop:
                 index += 1
         for epoch in range(start[0], self.options["epochs"]):
             self.clock.epoch = epoch
-            for index, batch in enumerate(self.loader):
+            # a loader put back in its place starts the epoch where the checkpoint left it
+            first = start[1] if epoch == start[0] and self.options["skip"] == "state" else 0
+            for index, batch in enumerate(self.loader, start=first):
                 yield epoch, index, batch, bool(getattr(strategy, "padding_step", False))
 
     def ends_window(self, epoch: int, index: int) -> bool:
@@ -207,11 +214,14 @@ class Loop:
     def run(self) -> None:
         start, skip = (0, 0), 0
         if self.cell.get("resume"):
-            state = {"model": self.model, "optimizer": self.optimizer, "next": None, "steps": 0, "micro": 0}
+            state = {**self.saved(), "next": None, "steps": 0, "micro": 0}
             self.fabric.load(self.cell["resume"], state)
             (epoch, index), self.steps, self.micro = state["next"], state["steps"], state["micro"]
             self.record["loaded"] = whole_params(self.model)
-            start, skip = (epoch, 0), index  # a fresh pass over the epoch, fast-forwarded past `index` batches
+            if self.options["skip"] == "state":
+                start = (epoch, index)  # the loader's own state puts it back in its place: nothing to skip
+            else:
+                start, skip = (epoch, 0), index  # a fresh pass over the epoch, fast-forwarded past `index` batches
         source = self.stream(start)
         if skip and self.options["skip"] == "next":
             for _ in range(skip):
@@ -258,6 +268,11 @@ class Loop:
                 keywords["window_end"] = last
             self.fabric.backward(mean, **keywords)
 
+    def saved(self) -> dict[str, Any]:
+        """What `fabric.save` keeps: the model, the optimizer and, to resume in its place, the loader (LitGPT's)."""
+        state = {"model": self.model, "optimizer": self.optimizer}
+        return {**state, "loader": self.loader} if self.options["skip"] == "state" else state
+
     def step(self, epoch: int, index: int) -> None:
         clip = self.options["fabric_clip"]
         if clip is not None:
@@ -267,7 +282,7 @@ class Loop:
         self.record["steps"].append({"step": self.steps, "batches": self.pending})
         self.pending = []
         self.steps += 1
-        state = {"model": self.model, "optimizer": self.optimizer}
+        state = self.saved()
         if self.options["save_after"] == self.steps and not self.cell.get("resume"):
             following = (epoch, index + 1) if index + 1 < len(self.loader) else (epoch + 1, 0)
             self.fabric.save(f"{self.out}.save", {**state, "next": following, "steps": self.steps, "micro": self.micro})

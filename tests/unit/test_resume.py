@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_weighted._compat import checkpoint_progress
 from lightning_weighted.loaders.epoch import Pass
 from lightning_weighted.loaders.resume import FORMAT, KEY, Plan, Resumed, _litdata_plan, whole_epoch
 from lightning_weighted.loaders.sampler import InsertedReplicas, without_padding
@@ -28,6 +29,11 @@ def checkpoint(places: list[Any] | None, processed: int = 4, last: bool = False,
     return saved
 
 
+def read(saved: dict[str, Any]) -> Resumed | None:
+    """The places of a checkpoint, as the Trainer's strategy reads them."""
+    return Resumed.read(saved.pop(KEY, None), checkpoint_progress(saved), saved.get("epoch", 0))
+
+
 def inserted(items: int = 37, world: int = 1, rank: int = 0, batch_size: int = 3) -> DataLoader[Any]:
     """A loader through the sampler Lightning inserts (replaced by the unpadded one), not shuffled."""
     sampler = DistributedSampler(range(items), InsertedReplicas(world), rank, shuffle=False)
@@ -36,41 +42,41 @@ def inserted(items: int = 37, world: int = 1, rank: int = 0, batch_size: int = 3
 
 def test_a_mid_epoch_checkpoint_without_places_is_refused_and_one_at_an_epochs_end_resumes_as_lightnings():
     with pytest.raises(ValueError, match=r"after 4 batches of it\) by a strategy that keeps no place of each rank"):
-        Resumed.read(checkpoint(None))
-    assert Resumed.read(checkpoint(None, processed=7, last=True)) is None
-    assert Resumed.read({}) is None  # no loops at all: a checkpoint of weights
+        read(checkpoint(None))
+    assert read(checkpoint(None, processed=7, last=True)) is None
+    assert read({}) is None  # no loops at all: a checkpoint of weights
 
 
 def test_places_of_another_format_are_refused_naming_the_format():
     saved = checkpoint([place(4, 7)])
     saved[KEY]["format"] = 2
     with pytest.raises(ValueError, match=r"another format \(2; this version reads format 1\)"):
-        Resumed.read(saved)
+        read(saved)
     partial = checkpoint([{k: v for k, v in place(4, 7).items() if k != "segment"}])
     with pytest.raises(ValueError, match="another format"):
-        Resumed.read(partial)
+        read(partial)
     with pytest.raises(ValueError, match=r"another format \('list';"):
-        Resumed.read({**checkpoint(None), KEY: [1]})
+        read({**checkpoint(None), KEY: [1]})
 
 
 def test_a_checkpoint_mid_epoch_resumes_that_epoch_and_one_at_its_end_the_next():
-    middle = Resumed.read(checkpoint([place(4, 7)]))
-    end = Resumed.read(checkpoint([place(7, 7, last=True)], processed=7, last=True))
+    middle = read(checkpoint([place(4, 7)]))
+    end = read(checkpoint([place(7, 7, last=True)], processed=7, last=True))
     assert middle is not None and (middle.epoch, middle.middle) == (1, True)
     assert end is not None and (end.epoch, end.middle) == (2, False)
     saved = checkpoint([place(4, 7)])
-    Resumed.read(saved)
+    read(saved)
     assert KEY not in saved  # taken out: Lightning restores the rest
 
 
 def test_on_as_many_ranks_each_rank_resumes_from_its_own_place_and_its_loader_from_its_own_state():
     places = [place(4, 7, at=4, loader={"consumed": 4}), place(4, 6, at=4, loader={"consumed": 4, "rank": 1})]
-    resumed = Resumed.read(checkpoint(places))
+    resumed = read(checkpoint(places))
     assert resumed is not None
     plan = resumed.plan(inserted(world=2, rank=1), world=2, rank=1)
     assert plan is not None and (plan.first, plan.loaded) == (Pass(4, 4, 6), {"consumed": 4, "rank": 1})
     assert plan.lengths([7, 6], True, [7, 6]).first == Pass(4, 4, 6, 7)  # the longest rank's real batches
-    stateless = Resumed.read(checkpoint([place(4, 7), place(4, 6)]))
+    stateless = read(checkpoint([place(4, 7), place(4, 6)]))
     assert stateless is not None
     plan = stateless.plan(inserted(world=2), world=2, rank=0)
     assert plan is not None and plan.first == Pass(4, 0, 7)  # read again from its start, the trained ones skipped
@@ -80,7 +86,7 @@ def test_on_as_many_ranks_each_rank_resumes_from_its_own_place_and_its_loader_fr
 
 def test_on_another_number_of_ranks_the_sampler_deals_the_items_no_step_took():
     # 2 ranks took 4 batches of 3 items each: items 0 to 23 of the epoch's order; 1 rank takes the other 13
-    resumed = Resumed.read(checkpoint([place(4, 7), place(4, 6)]))
+    resumed = read(checkpoint([place(4, 7), place(4, 6)]))
     assert resumed is not None
     loader = inserted(world=1)
     plan = resumed.plan(loader, world=1, rank=0)
@@ -89,7 +95,7 @@ def test_on_another_number_of_ranks_the_sampler_deals_the_items_no_step_took():
     assert plan.segment == {"start": 4, "consumed": 24, "stream": None}
     assert plan.lengths([len(loader)], False, [7, 6]).first == Pass(4, 4, 9, 9)  # 5 batches from position 4
 
-    replaying = Resumed.read(checkpoint([place(6, 7), place(6, 6)]))  # rank 1 ran out: took its 18, rank 0 its 18
+    replaying = read(checkpoint([place(6, 7), place(6, 6)]))  # rank 1 ran out: took its 18, rank 0 its 18
     assert replaying is not None
     shares = []
     for rank in range(3):
@@ -100,14 +106,14 @@ def test_on_another_number_of_ranks_the_sampler_deals_the_items_no_step_took():
 
 
 def test_a_resume_on_another_number_of_ranks_is_refused_where_the_data_changed_or_cannot_be_dealt_again():
-    resumed = Resumed.read(checkpoint([place(4, 7), place(4, 6)]))
+    resumed = read(checkpoint([place(4, 7), place(4, 6)]))
     assert resumed is not None
     with pytest.raises(ValueError, match=r"The train data set holds 36 items where the checkpoint's held 37"):
         resumed.plan(inserted(items=36), world=1, rank=0)
     own = DataLoader(range(10), batch_size=3)  # each rank's own data: no sampler of Lightning's
     with pytest.raises(ValueError, match=r"each rank's DataLoader holds data of its own, which cannot be dealt again"):
         resumed.plan(own, world=1, rank=0)
-    several = Resumed.read(checkpoint([None, None]))
+    several = read(checkpoint([None, None]))
     assert several is not None
     with pytest.raises(ValueError, match=r"combine several loaders, each holding data of its own"):
         several.plan(own, world=1, rank=0)

@@ -1,7 +1,11 @@
-"""The batches a loader set up by a weighted Fabric strategy yields, each rank stepping until every rank is done.
+"""The loaders a weighted Fabric strategy sets up: each rank steps until every rank is done, and resumes in its place.
 
 No Trainer hook marks a batch in a Fabric loop, so the loader records in :class:`Yielded` whether each batch is a
 replay: a backward belongs to the batch yielded last; a window counted ahead, to the last ones, as many as it counts.
+The loader stays the user's object, its attributes and class name kept (:mod:`lightning_weighted.loaders.extension`).
+A loader with a state of its own (a ``StatefulDataLoader``, LitData's) saved with ``fabric.save`` keeps every rank's
+place beside rank 0's own state, and ``fabric.load`` puts each rank back in its own, on as many ranks or dealt again
+(:mod:`lightning_weighted.loaders.resume`).
 """
 
 from __future__ import annotations
@@ -10,7 +14,15 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from lightning_weighted.loaders import Participation
+import torch
+import torch.distributed as dist
+
+from lightning_weighted._compat import set_sampler_epoch
+from lightning_weighted.loaders import EpochBatches, Participation, Policy, without_padding
+from lightning_weighted.loaders.epoch import _strict_message, lengths_of
+from lightning_weighted.loaders.extension import extend, extension, own_length, own_state
+from lightning_weighted.loaders.resume import FORMAT, KEY, Resumed, dataset_length, whole_epoch
+from lightning_weighted.loaders.sampler import dealt_sampler
 
 
 class Yielded:
@@ -36,37 +48,86 @@ class Yielded:
 
 
 class FabricLoader:
-    """What ``fabric.setup_dataloaders`` returns where the ranks' batch counts differ (see the module docstring).
+    """What ``fabric.setup_dataloaders`` makes of one loader: its passes (:class:`EpochBatches`), marked as yielded.
 
     An epoch ends as :mod:`lightning_weighted.loaders.epoch` says, or, unsized in a loop without backward
-    (evaluation), where this rank's data ends. Attributes are the wrapped loader's (Fabric's ``set_epoch`` reaches it).
+    (evaluation), where this rank's data ends. Its :meth:`place` and :meth:`resume` ride the loader's own state.
+
+    Args:
+        loader: the user's loader, extended here.
+        policy: what a rank whose data ran out does.
+        device: where the ranks' lengths are summed.
+        yielded: the strategy's record of the batches yielded last.
     """
 
-    def __init__(self, loader: Any, participation: Participation, yielded: Yielded) -> None:
-        self.loader, self.participation, self.yielded = loader, participation, yielded
-        try:
-            self.sized = len(loader) >= 0
-        except (TypeError, NotImplementedError):
-            self.sized = False
+    def __init__(self, loader: Any, policy: Policy, device: torch.device, yielded: Yielded) -> None:
+        self.loader, self.device, self.yielded = without_padding(loader), device, yielded
+        self.participation = participation = Participation(policy)
+        lengths = lengths_of(self.loader, device)
+        self.sized = all(n >= 0 for n in lengths)
+        if policy == "strict" and self.sized and len(set(lengths)) > 1:
+            raise ValueError(_strict_message("in their dataloaders", lengths))
+        participation.replays = not self.sized or len(set(lengths)) > 1
+        relength = lambda: lengths_of(self.loader, device, own_length)  # noqa: E731
+        self.stage = stage = EpochBatches(participation, lengths, device, relength=relength)
+        extend(self.loader, stage.iterate, lambda: stage.longest)
+        extended = extension(extend(self.loader, self._marked))
+        assert extended is not None
+        stage.loader_state = own_state(self.loader)
+        extended.state, extended.load = self.place, self.resume
+        self._deal: tuple[int, dict[str, Any], int | None] = (1, whole_epoch(), None)  # the pass, deal, items
+        self._epochs_before = 0  # the epochs before this process's first pass (a resumed one's)
 
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name: str) -> Any:
-        loader = self.__dict__.get("loader")
-        if loader is None:
-            raise AttributeError(name)
-        return getattr(loader, name)
-
-    def __iter__(self) -> Iterator[Any]:
-        state, yielded = self.participation, self.yielded
-        backwards = -1  # the strategy's backward count when the previous batch was yielded
-        for position, batch in enumerate(self.loader):
+    def _marked(self, batches: Iterator[Any]) -> Iterator[Any]:
+        state, yielded, backwards = self.participation, self.yielded, -1  # the backward count at the batch before
+        for batch in batches:
             if state.stop:
                 return  # every rank is out of data: the window that ended says so on every rank
+            position = self.stage.position - 1
             replay = state.replay(position)
             if replay and not self.sized and yielded.backwards == backwards:
                 return  # an unsized loader in a loop without backward (evaluation): no window ends its epoch
             yielded.batches.append((state, position, replay))
             backwards = yielded.backwards
             yield batch
+
+    def place(self) -> dict[str, Any]:
+        """The loader's state for ``fabric.save`` (a collective): rank 0's own, beside every rank's place."""
+        stage = self.stage
+        last = stage.longest is not None and stage.position >= stage.longest
+        deal, segment, items = self._deal
+        if stage.passes != deal:
+            segment, items = whole_epoch(), None
+        length = dataset_length(self.loader)
+        epoch = self._epochs_before + max(stage.passes - 1, 0)
+        mine = {**stage.place(stage.position, last), "epoch": epoch, "last": last}
+        mine.update(segment=segment, items=items or length, dataset=length)
+        ranks: list[Any] = [mine]
+        if dist.is_initialized():
+            ranks = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, mine)
+        return {**(mine["loader"] or {}), KEY: {"format": FORMAT, "ranks": ranks}}
+
+    def resume(self, given: dict[str, Any]) -> dict[str, Any] | None:
+        """What ``fabric.load`` puts back: this rank's place, and the loader state it loads (a collective)."""
+        if KEY not in given:
+            return given  # a state saved without places: the loader's own, as Fabric loads it
+        first = next((place for place in given[KEY].get("ranks") or [] if isinstance(place, dict)), {})
+        progress = (int(first.get("position", 0)), bool(first.get("last", True)))
+        resumed = Resumed.read(given[KEY], progress, int(first.get("epoch", 0)))
+        world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+        plan = resumed.plan(self.loader, world, rank) if resumed is not None else None
+        if resumed is None or plan is None:
+            return None
+        sampler = dealt_sampler(self.loader)
+        self._epochs_before = resumed.epoch  # Fabric numbers the epochs by its passes, from 0 in a resumed process
+        if sampler is not None:
+            sampler.epochs_before = resumed.epoch
+        own = lengths_of(self.loader, self.device, own_length)
+        reals = [place["real"] if place is not None else None for place in resumed.places]
+        plan = plan.lengths(own, len(resumed.places) == world, reals)
+        if plan.first is not None:
+            self.stage.resume(plan.first, plan.loaded)
+        self._deal = (self.stage.passes + 1, plan.segment, plan.items)
+        set_sampler_epoch(self.loader, 0)
+        return plan.loaded

@@ -19,7 +19,7 @@ from typing_extensions import override
 from lightning_weighted._compat import unfloored
 from lightning_weighted.engines import Engine
 from lightning_weighted.fabric._loader import FabricLoader, Yielded
-from lightning_weighted.loaders import Participation, Policy, participating, without_padding
+from lightning_weighted.loaders import Participation, Policy
 from lightning_weighted.loop import Output, WindowLoop, terms
 from lightning_weighted.strategy import WeightedStrategy
 from lightning_weighted.window import FABRIC, Counts, Problem, read_count, read_counts
@@ -160,9 +160,19 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
-        participation = Participation(self._policy)
-        loader, stage = participating(without_padding(dataloader), participation, self.root_device)
-        return FabricLoader(loader, participation, self._yielded) if stage is not None else loader
+        return FabricLoader(dataloader, self._policy, self.root_device, self._yielded).loader
+
+    @override
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, weights_only: Any = None) -> Any:
+        # Fabric's sharded FSDP loads (FSDP1, FSDP2) put a saved object's state where the object stood, where its
+        # other loads hand it to the object's `load_state_dict`: a loader put in `fabric.save` resumes under all alike
+        held = {key: obj for key, obj in state.items() if _holds_state(obj)} if isinstance(state, dict) else {}
+        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        for key, obj in held.items():
+            if state[key] is not obj:
+                obj.load_state_dict(state[key])
+                state[key] = obj
+        return remainder
 
     @override
     def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
@@ -195,6 +205,12 @@ _OPEN = (
     " `fabric.no_backward_sync(model)` or with `window_end=False`), so the gradients are this rank's own. Run the"
     " window's last backward outside `no_backward_sync` (or with `window_end=True`) before clipping and stepping."
 )
+
+
+def _holds_state(obj: object) -> bool:
+    """Whether ``obj`` is saved by its ``state_dict`` beside the model and optimizers (a loader, a counter)."""
+    loads = callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+    return loads and not isinstance(obj, (Module, Optimizer))
 
 
 def _step(tensor: Tensor, count: object, reduction: str, parts: object, aux: object) -> Output:

@@ -26,7 +26,6 @@ from typing import Any, cast
 import torch.distributed as dist
 
 from lightning_weighted._compat import (
-    checkpoint_progress,
     litdata_drops_last,
     litdata_loader,
     litdata_resumed,
@@ -109,10 +108,12 @@ class Resumed:
     middle: bool
 
     @classmethod
-    def read(cls, checkpoint: dict[str, Any]) -> Resumed | None:
-        """The places of ``checkpoint`` (taken out of it); refuses a checkpoint that cannot resume here."""
-        saved = checkpoint.pop(KEY, None)
-        processed, last = checkpoint_progress(checkpoint)
+    def read(cls, saved: Any, progress: tuple[int, bool], epoch: int) -> Resumed | None:
+        """The places ``saved`` in a checkpoint (``None``: none); refuses a checkpoint that cannot resume here.
+
+        ``progress``: how many batches of the epoch ``epoch`` the checkpoint's steps trained, and whether they were all.
+        """
+        processed, last = progress
         middle = processed > 0 and not last
         if saved is None:
             if middle:
@@ -124,7 +125,7 @@ class Resumed:
         )
         if not well_formed or saved.get("format") != FORMAT:
             raise ValueError(_FORMAT.format(saved.get("format") if isinstance(saved, dict) else type(saved).__name__))
-        return cls(cast("list[dict[str, Any] | None]", places), int(checkpoint.get("epoch", 0)) + (not middle), middle)
+        return cls(cast("list[dict[str, Any] | None]", places), epoch + (not middle and processed > 0), middle)
 
     def plan(self, loader: Any, world: int, rank: int) -> Plan | None:
         """What ``loader`` of ``rank`` of ``world`` does first; deals its epoch again on another number of ranks.

@@ -45,6 +45,7 @@ class UnpaddedDistributedSampler(DistributedSampler[T]):
         self.total_size = len(dataset)
         self.num_samples = len(range(self.rank, self.total_size, self.num_replicas))
         self.dealt: tuple[int, int] | None = None  # a resumed epoch, and how many items of its order trained before
+        self.epochs_before = 0  # added to the epoch set: Fabric counts a resumed process's epochs from 0
 
     def order(self) -> list[Any]:
         """Every index of the epoch set last, in the order the ranks take them in turn."""
@@ -61,6 +62,10 @@ class UnpaddedDistributedSampler(DistributedSampler[T]):
         """
         self.set_epoch(epoch)
         self.dealt = (epoch, consumed)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Sets the epoch whose order the sampler deals (``epochs_before`` later)."""
+        super().set_epoch(self.epochs_before + epoch)
 
     def __iter__(self) -> Iterator[T]:
         return iter(self.order()[self._first() + self.rank :: self.num_replicas])

@@ -8,7 +8,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_weighted._compat import LOADER_BARRIERS, combined_mode, set_sampler_epoch, set_train_batches
+from lightning_weighted._compat import (
+    LOADER_BARRIERS,
+    checkpoint_progress,
+    combined_mode,
+    set_sampler_epoch,
+    set_train_batches,
+)
 from lightning_weighted.loaders import EpochBatches, Participation, Policy, participating, without_padding
 from lightning_weighted.loaders.epoch import _strict_message, combined_lengths, combined_message, lengths_of
 from lightning_weighted.loaders.extension import extend, extension, own_length, own_state, restore
@@ -169,7 +175,8 @@ class FitLoaders:
 
     def load(self, checkpoint: dict[str, Any]) -> None:
         """Takes every rank's place from a checkpoint; the next train loader resumes there (refuses what cannot)."""
-        self._resumed = Resumed.read(checkpoint)
+        saved, epoch = checkpoint.pop(KEY, None), int(checkpoint.get("epoch", 0))
+        self._resumed = Resumed.read(saved, checkpoint_progress(checkpoint), epoch)
 
     def release(self, loaders: list[Any] | None = None) -> None:
         """Gives back the loaders this run extended (all of them by default)."""
