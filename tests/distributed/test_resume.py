@@ -63,3 +63,27 @@ def test_resuming_on_one_rank_keeps_the_objective_of_two(tmp_path):
     )
     resumed = fit(single, tmp_path / "b")
     assert max_relative_error(resumed[0]["params"], reference(BASE)["params"]) < 1e-10
+
+
+SHARED = dataclasses.replace(BASE, items=37, batch_size=3, accumulate=2, lengths=None)
+
+
+def _refused_on_every_rank(config: Config, tmp_path: Path, message: str) -> None:
+    done = fit(config, tmp_path, expect_failure=True)
+    assert done.stdout.count(message) == 2, done.stdout[-4000:]  # the same error on both ranks, before a step
+    assert "injected failure" not in done.stdout
+
+
+def test_a_mid_epoch_checkpoint_of_a_plain_strategy_is_refused_on_every_rank_before_any_step(tmp_path):
+    # plain DDP keeps rank 0's loader state alone: which items each rank trained of the epoch is lost
+    crashed = fit(dataclasses.replace(SHARED, strategy="ddp", checkpoint=True, raise_at=[0, 4]), tmp_path / "a",
+                  expect_failure=True)  # fmt: skip
+    assert "injected failure at epoch 0, batch 4" in crashed.stdout
+    resumed = dataclasses.replace(SHARED, resume=_checkpoint(tmp_path / "a", "on_exception.ckpt"))
+    _refused_on_every_rank(resumed, tmp_path / "b", "by a strategy that keeps no place of each rank in its own shard")
+
+
+def test_a_mid_epoch_checkpoint_of_a_data_set_of_another_length_is_refused_on_every_rank(tmp_path):
+    fit(dataclasses.replace(SHARED, checkpoint=True, raise_at=[0, 4]), tmp_path / "a", expect_failure=True)
+    resumed = dataclasses.replace(SHARED, items=36, resume=_checkpoint(tmp_path / "a", "on_exception.ckpt"))
+    _refused_on_every_rank(resumed, tmp_path / "b", "The train data set holds 36 items where the checkpoint's held 37")
