@@ -18,8 +18,8 @@ from lightning_weighted.fabric import (
 )
 from lightning_weighted.loaders import UnpaddedDistributedSampler
 from lightning_weighted.monitor import ItemMetrics, ItemMonitor
+from lightning_weighted.payload import WindowResult
 from lightning_weighted.trainer import WeightedDDPStrategy, WeightedFSDPStrategy, WeightedModelParallelStrategy
-from lightning_weighted.window import WindowResult
 
 # fmt: off
 __all__ = [

@@ -21,11 +21,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_weighted._compat import forward_redirection
+from lightning_weighted.count import TRAINER, Count
 from lightning_weighted.loop import read_output
+from lightning_weighted.monitor import imbalance
 from lightning_weighted.strategy import WeightedStrategy
 from lightning_weighted.trainer._seam import logs_ignored
 from lightning_weighted.trainer._strategy import WeightedTrainerStrategy
-from lightning_weighted.window import TRAINER, Count, imbalance
 
 __all__ = ["AuditReport", "ObjectiveAudit", "ObjectiveMismatchError", "is_audit_rerun", "relative_error", "spread"]
 

@@ -20,7 +20,7 @@ from lightning_weighted.audit import (
     relative_error,
     spread,
 )
-from lightning_weighted.window import imbalance
+from lightning_weighted.monitor import imbalance
 
 
 def test_relative_error_of_plain_ddp_on_the_worked_trace_is_one_fifth():

@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 
 from lightning_weighted._compat import LOADER_BARRIERS, combined_mode
+from lightning_weighted.count import Counts
 from lightning_weighted.loaders import EpochBatches, Participation, Policy, participating, without_padding
 from lightning_weighted.loaders.epoch import combined_lengths, combined_message, lengths_of
 from lightning_weighted.loaders.extension import extend, extension, own_state, restore
-from lightning_weighted.window import Counts
 
 _KEY = "lightning_weighted"  # each rank's place in its train epoch, in a checkpoint
 
