@@ -558,7 +558,7 @@ def test_a_window_result_holds_its_step_items_local_items_loss_and_parts_only():
     assert part.parts == {} and combined.parts["text"] is part
 
 
-def test_the_core_imports_no_integration_and_no_lightning_and_the_loaders_no_front_end():
+def test_the_core_imports_no_integration_and_no_lightning_and_the_loaders_and_callbacks_no_front_end():
     # count ← payload ← parts ← window ← loop ← engines: the core; loaders ← trainer, fabric: the loop is the same
     # object for both front ends
     import ast
@@ -590,4 +590,6 @@ def test_the_core_imports_no_integration_and_no_lightning_and_the_loaders_no_fro
     assert {"loaders/epoch.py", "loaders/sampler.py", "loaders/extension.py"} <= set(loaders)
     front_ends = ("lightning_weighted.trainer", "lightning_weighted.fabric")
     for name in loaders:
+        assert not {m for m in imports(name) if m.startswith(front_ends)}, name
+    for name in ("counter.py", "monitor.py"):  # callbacks outside a front end's room read a strategy as `strategy`
         assert not {m for m in imports(name) if m.startswith(front_ends)}, name
