@@ -44,9 +44,10 @@ from common import (
 )
 from torch import Tensor, nn
 
+from lightning_weighted.count import TRAINER, Counts, host_items, read_count, read_counts
 from lightning_weighted.engines.ddp import DDPEngine
 from lightning_weighted.loop import Output, WindowLoop
-from lightning_weighted.window import SUMMED, TRAINER, Counts, host_items, read_count, read_counts
+from lightning_weighted.payload import SUMMED
 
 CPU = torch.device("cpu")
 

@@ -24,7 +24,7 @@ PLAIN = {  # each weighted variant and anchor, and the plain counterpart it is c
 PLAIN["trainer"] = dict(PLAIN["raw"])
 PLAIN["raw"] |= {"ddp_weighted_parts1": "ddp", "ddp_weighted_parts4": "ddp"}  # counts ahead, 1 and 4 loss parts
 PLAIN["sharded"]["fsdp_weighted_ahead"] = "fsdp"
-PAYLOAD = {"all_reduce[float64]": [1, 8 * 6]}  # the window's payload: 6 float64 values summed (`window.SUMMED`), once
+PAYLOAD = {"all_reduce[float64]": [1, 8 * 6]}  # the window's payload: 6 float64 values summed (`payload.SUMMED`), once
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ The objective: :mod:`lightning_weighted.window`; one window from the batch to th
 from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_STRATEGIES
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_weighted.audit import AuditReport, ObjectiveAudit, ObjectiveMismatchError, is_audit_rerun
 from lightning_weighted.counter import ItemCounter, count_documents, count_examples, count_tokens, count_weights
 from lightning_weighted.engines.fsdp2 import shard_blocks
 from lightning_weighted.fabric import (
@@ -18,8 +17,9 @@ from lightning_weighted.fabric import (
 )
 from lightning_weighted.loaders import UnpaddedDistributedSampler
 from lightning_weighted.monitor import ItemMetrics, ItemMonitor
+from lightning_weighted.payload import WindowResult
 from lightning_weighted.trainer import WeightedDDPStrategy, WeightedFSDPStrategy, WeightedModelParallelStrategy
-from lightning_weighted.window import WindowResult
+from lightning_weighted.trainer.audit import AuditReport, ObjectiveAudit, ObjectiveMismatchError, is_audit_rerun
 
 # fmt: off
 __all__ = [

@@ -11,8 +11,8 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_weighted.count import Counts, read_counts
 from lightning_weighted.strategy import weighted
-from lightning_weighted.window import Counts, read_counts
 
 __all__ = ["ItemCounter", "count_documents", "count_examples", "count_tokens", "count_weights"]
 

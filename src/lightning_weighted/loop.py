@@ -1,7 +1,8 @@
 """The loop of windows of one fit or one Fabric loop: a microbatch in, its loss to backpropagate out, one exchange.
 
 The front ends (``trainer/``, ``fabric/``) hand it each microbatch's facts as arguments and keep no window rule of
-their own. The objective and the two count paths: :mod:`lightning_weighted.window`.
+their own. The objective and the two count paths: :mod:`lightning_weighted.window`; the payload the ranks sum once a
+window: :mod:`lightning_weighted.payload`.
 """
 
 from __future__ import annotations
@@ -9,33 +10,17 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import repeat
-from operator import attrgetter
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_weighted._compat import multiply
+from lightning_weighted.count import Count, Counts, Problem, Wording, host_items, problem_error, read_count, valid_count
 from lightning_weighted.engines import Engine
-from lightning_weighted.window import (
-    Count,
-    Counts,
-    Parts,
-    Problem,
-    Slot,
-    Window,
-    WindowResult,
-    Wording,
-    at,
-    host_items,
-    host_tensor,
-    payload,
-    problem_error,
-    read_count,
-    valid_count,
-    window_result,
-)
+from lightning_weighted.parts import Parts
+from lightning_weighted.payload import Slot, WindowResult, at, host_tensor, window_result
+from lightning_weighted.window import Window, payload
 
 __all__ = ["Exchange", "Output", "WindowLoop", "read_output", "summed_counts", "terms"]
 
@@ -58,7 +43,8 @@ def read_output(output: object) -> Output:
         return Output(output if isinstance(output, Tensor) else None)
     loss = output.get("loss")
     reduction = output.get("reduction", "mean")
-    (parts, bad_parts), (aux, bad_aux) = terms(output.get("parts")), terms(output.get("aux"))
+    parts, bad_parts = terms(output.get("parts"))
+    aux, bad_aux = terms(output.get("aux"))
     problem = Problem.AUX if bad_aux else Problem.PARTS if bad_parts else None
     if reduction not in ("mean", "sum"):
         problem = Problem.REDUCTION
@@ -174,16 +160,19 @@ class WindowLoop:
         window = self._open(None if replay else output.count)
         self._typical.microbatches += 1
         planned = self._planned.popleft() if self._planned else None
-        given = output.parts or {}  # each counted part's loss in the counted order (None where missing), else the loss
-        same = bool(self.parts) and tuple(given) == self.parts  # named as counted, in order: taken whole, no lookups
-        losses = list(given.values() if same else map(given.get, self.parts)) if self.parts else [output.loss]
-        problem = None if replay else _problem(output, losses, len(self.parts), planned is not None, same)
+        if self.parts:  # each counted part's loss, in the counted order (None where one is missing)
+            given = output.parts or {}
+            losses = [given.get(name) for name in self.parts]
+        else:
+            losses = [output.loss]
+        problem = None if replay else _problem(output, losses, len(self.parts), planned is not None)
         count = planned.part(0) if planned is not None and not self.parts else output.count
         if planned is not None and problem is None and not replay:  # a count given, or counted again, must agree
             if output.count is not None:
                 window.check(output.count, planned.part(0))
-            for again, planned_count in zip(recount.each(), planned.each(), strict=False) if recount else ():
-                window.check(again, planned_count, Problem.CHANGED)
+            if recount is not None:
+                for again, planned_count in zip(recount.each(), planned.each(), strict=False):
+                    window.check(again, planned_count, Problem.CHANGED)
         if replay or problem is not None or (count is None and planned is None):
             if not replay:
                 window.reject(problem or Problem.MISSING)
@@ -194,18 +183,23 @@ class WindowLoop:
             return
         parts = window.parts
         weight = window.add(count, losses[0], output.item_sum) if parts is None and count is not None else 0.0
-        share = window.aux_factor()
+        share = window.aux_factor()  # D / (P M) counted ahead; None counted after, which refuses auxiliary terms
         if output.aux and share is None:
             window.reject(Problem.AUX_AFTER)
-        aux = torch.stack(list(output.aux.values())).sum() * share if output.aux and share is not None else None
+        aux = None
+        if output.aux and share is not None:
+            aux = torch.stack(list(output.aux.values())).sum() * share
         if parts is None:
             factor = window.factor(weight)
             if isinstance(factor, float) and factor == 0 and losses[0] is not None:
                 window.empty(losses[0])  # it backpropagates all the same; whether its loss is finite is checked
             self._loss = (factor, None, aux)
             return
-        stacked = torch.stack(losses)  # type: ignore[arg-type]  # none is None (`_problem`)
-        self._loss = (*parts.loss(window, parts.microbatches - len(self._planned) - 1, output.item_sum, stacked), aux)
+        microbatch = parts.microbatches - len(self._planned) - 1
+        factor, loss = parts.loss(microbatch, output.item_sum, torch.stack(losses))  # type: ignore[arg-type]
+        if factor == 0:  # no part holds an item: as above
+            window.empty(loss)
+        self._loss = (factor, loss, aux)
 
     def _open(self, count: Count | None) -> Window:
         """The window in progress (a new one, counted after, where none is)."""
@@ -277,8 +271,8 @@ class WindowLoop:
         return result
 
 
-def _problem(output: Output, losses: list[Tensor | None], parts: int, ahead: bool, same: bool) -> Problem | None:
-    """What keeps a microbatch's output from being weighted, if anything (``same``: its parts came as counted)."""
+def _problem(output: Output, losses: list[Tensor | None], parts: int, ahead: bool) -> Problem | None:
+    """What keeps a microbatch's output from being weighted, if anything."""
     if output.problem is not None:
         return output.problem
     named = output.parts is not None or parts > 0
@@ -286,10 +280,10 @@ def _problem(output: Output, losses: list[Tensor | None], parts: int, ahead: boo
         return Problem.PARTS_AFTER
     if named and (output.parts is None or len(output.parts) != parts or output.count is not None):
         return Problem.PARTS
-    if not same and not all(map(isinstance, losses, repeat(Tensor))):  # as many names as counted: one lost, one new
+    if not all(isinstance(loss, Tensor) for loss in losses):  # as many names as counted: one lost, one new
         return Problem.PARTS if parts else Problem.NO_LOSS
-    if parts:  # each part on the graph (a part's flag is read, not its node, which Python would wrap)
-        return None if all(map(attrgetter("requires_grad"), losses)) else Problem.NO_GRAPH
+    if parts:  # each part needs a gradient
+        return None if all(loss.requires_grad for loss in losses) else Problem.NO_GRAPH  # type: ignore[union-attr]
     return Problem.NO_GRAPH if losses[0].grad_fn is None else None  # type: ignore[union-attr]  # a Tensor
 
 

@@ -14,10 +14,10 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_weighted._compat import trainer_of
+from lightning_weighted.payload import WindowResult
 from lightning_weighted.strategy import weighted
-from lightning_weighted.window import WindowResult, imbalance
 
-__all__ = ["ItemMetrics", "ItemMonitor", "loggable"]
+__all__ = ["ItemMetrics", "ItemMonitor", "imbalance", "loggable"]
 
 _SHOWN = ("train/loss", "train/items_per_sec")  # in the progress bar
 _ROLE = "ItemMonitor logs the windows of"  # the opening of the error of a strategy that is not weighted
@@ -120,7 +120,7 @@ class ItemMetrics:
         self.items_total = float(state_dict["items_total"])
 
     def _imbalance(self, window: WindowResult) -> float:
-        """:func:`~lightning_weighted.window.imbalance` over the window's ranks, from one MAX of their counts."""
+        """:func:`imbalance` over the window's ranks, from one MAX of their counts."""
         if window.items <= 0 or not dist.is_initialized():
             return 1.0
         largest = torch.tensor(window.local_items, dtype=torch.float64, device=self.device)
@@ -215,3 +215,8 @@ def loggable(value: float | Tensor, module: LightningModule) -> float | Tensor:
     trainer = trainer_of(module)  # None outside a fit
     float64 = trainer is not None and str(trainer.precision).startswith("64")
     return torch.as_tensor(value, dtype=torch.float64).to(module.device) if float64 else value
+
+
+def imbalance(largest: float, items: float, ranks: int) -> float:
+    """``max_r P·n_r / N``: how much more weight the items of the rank with most get than plain DDP gives them."""
+    return ranks * largest / items if items > 0 else 1.0

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from lightning_weighted._compat import StrategyRegistry, flatten_mesh, parallel_sizes, register, set_parallel_sizes
 from lightning_weighted.loaders.sampler import marked
 from lightning_weighted.loop import WindowLoop
-from lightning_weighted.window import WindowResult
+from lightning_weighted.payload import WindowResult
 
 __all__ = ["LAUNCHERS", "WeightedStrategy", "data_parallel_group", "every_rank_data_parallel", "mesh_sizes", "weighted"]
 

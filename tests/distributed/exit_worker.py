@@ -17,7 +17,9 @@ import torch.distributed as dist
 from launcher import settle_at_exit
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_weighted.window import SUMMED, Window, payload, read_count, window_result
+from lightning_weighted.count import read_count
+from lightning_weighted.payload import SUMMED, window_result
+from lightning_weighted.window import Window, payload
 
 
 class _AllReduce(torch.autograd.Function):

@@ -40,7 +40,8 @@ def test_the_check_fails_where_a_per_microbatch_read_is_put_back():
     import torch
     from reads import DeviceTensor, ReadSpy
 
-    from lightning_weighted.window import Window, payload, read_count
+    from lightning_weighted.count import read_count
+    from lightning_weighted.window import Window, payload
 
     spy = ReadSpy()
     spy.install()

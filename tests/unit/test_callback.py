@@ -14,8 +14,8 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_weighted import ItemCounter, ItemMetrics, ItemMonitor, WindowResult, count_documents, count_tokens
+from lightning_weighted.count import Count, Counts, Problem, read_count
 from lightning_weighted.strategy import WeightedStrategy
-from lightning_weighted.window import Count, Counts, Problem, read_count
 
 LABELS = torch.tensor(
     [

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from lightning_weighted.count import Counts
 from lightning_weighted.loaders import EpochBatches, Participation, participating
 from lightning_weighted.loaders.epoch import Pass, combined_lengths, combined_message, lengths_of
 from lightning_weighted.loaders.extension import extension, restore
-from lightning_weighted.window import Counts
 
 CPU = torch.device("cpu")
 

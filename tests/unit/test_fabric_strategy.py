@@ -17,8 +17,10 @@ from lightning_weighted import (
     WeightedFabricFSDPStrategy,
     WeightedFabricModelParallelStrategy,
 )
+from lightning_weighted.count import FABRIC, Count, Problem, problem_error
 from lightning_weighted.loop import Output, WindowLoop
-from lightning_weighted.window import FABRIC, Count, Problem, Slot, Window, payload, problem_error
+from lightning_weighted.payload import Slot
+from lightning_weighted.window import Window, payload
 
 NAMES = {
     "ddp_weighted": ("popen", False),

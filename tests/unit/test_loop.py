@@ -12,21 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_weighted.count import FABRIC, TRAINER, Count, Counts, Problem, Wording, read_count, read_counts
 from lightning_weighted.loop import Exchange, WindowLoop, read_output, terms
-from lightning_weighted.window import (
-    FABRIC,
-    TRAINER,
-    Count,
-    Counts,
-    Problem,
-    Slot,
-    Window,
-    Wording,
-    at,
-    read_count,
-    read_counts,
-    window_result,
-)
+from lightning_weighted.payload import Slot, at, window_result
+from lightning_weighted.window import Window
 
 CPU = torch.device("cpu")
 

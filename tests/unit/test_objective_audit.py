@@ -13,14 +13,24 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
 
-from lightning_weighted.audit import (
+from lightning_weighted.monitor import imbalance
+from lightning_weighted.trainer.audit import (
     ObjectiveAudit,
     ObjectiveMismatchError,
     is_audit_rerun,
     relative_error,
     spread,
 )
-from lightning_weighted.window import imbalance
+
+
+def test_the_audit_lives_in_the_trainers_room_and_keeps_its_public_import_paths():
+    import lightning_weighted
+    import lightning_weighted.audit as public
+
+    assert ObjectiveAudit.__module__ == "lightning_weighted.trainer.audit"
+    assert public.ObjectiveAudit is lightning_weighted.ObjectiveAudit is ObjectiveAudit
+    assert public.is_audit_rerun is lightning_weighted.is_audit_rerun is is_audit_rerun
+    assert public.ObjectiveMismatchError is ObjectiveMismatchError
 
 
 def test_relative_error_of_plain_ddp_on_the_worked_trace_is_one_fifth():

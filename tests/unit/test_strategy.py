@@ -19,8 +19,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 import lightning_weighted
 from lightning_weighted import ItemCounter, UnpaddedDistributedSampler, WeightedDDPStrategy
 from lightning_weighted._compat import LOADER_BARRIERS
+from lightning_weighted.count import Count, Problem
 from lightning_weighted.loop import read_output
-from lightning_weighted.window import Count, Problem
 
 NAMES = {
     "ddp_weighted": ("popen", False),

@@ -12,25 +12,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_weighted.window import (
+from lightning_weighted.count import (
     MAX_ITEMS,
-    SUMMED,
     TRAINER,
     Count,
     Counts,
     Problem,
-    Slot,
-    Window,
-    WindowResult,
     Wording,
-    at,
     host_items,
-    payload,
     problem_error,
     read_count,
     read_counts,
-    window_result,
 )
+from lightning_weighted.payload import SUMMED, Slot, WindowResult, at, window_result
+from lightning_weighted.window import Window, payload
 
 CPU = torch.device("cpu")
 
@@ -276,7 +271,7 @@ def test_device_counts_held_for_a_whole_epoch_stay_few_and_sum_flag_and_name_the
         items += n
         loss += 0.0 if n == 0 else value * (1.0 if item_sum else n)
         nan_empty = max(nan_empty, float(n == 0 and math.isnan(value)))
-        assert len(window._tensors) < 64, m  # held until the window weighs them: never the whole epoch
+        assert len(window._on_device) < 64, m  # held until the window weighs them: never the whole epoch
     vector = payload([window], True, CPU).as_subclass(Tensor)
     assert (vector[Slot.ITEMS], vector[Slot.LOCAL], vector[Slot.INVALID]) == (items, items, 0.0)
     assert (float(vector[Slot.LOSS]), float(vector[Slot.NAN_EMPTY])) == (pytest.approx(loss, abs=1e-9), nan_empty)
@@ -378,7 +373,7 @@ def test_a_microbatchs_counts_read_together_are_each_count_read_alone(given_coun
     assert host_items([counts, counts], len(alone)) == [2 * v for v in host_valid]  # a device count adds 0 here
 
 
-def test_counts_that_are_all_valid_numbers_are_read_in_one_pass_and_anything_else_one_by_one():
+def test_counts_read_together_are_each_checked_and_valid_numbers_on_the_host_carry_no_problems():
     assert read_counts([3, 2.0, 0], [True, True, False]) == Counts((3.0, 2.0, 0.0))
     assert read_counts([3, 2.5], [False, True]).each() == [Count(3.0), Count(2.5, Problem.FRACTIONAL)]
     assert read_counts([True, 1], [True, True]).each() == [Count(math.nan, Problem.NOT_A_NUMBER), Count(1.0)]
@@ -563,8 +558,9 @@ def test_a_window_result_holds_its_step_items_local_items_loss_and_parts_only():
     assert part.parts == {} and combined.parts["text"] is part
 
 
-def test_the_core_imports_no_integration_and_no_lightning_and_the_loaders_no_front_end():
-    # window ← loop ← engines: the core; loaders ← trainer, fabric: the loop is the same object for both front ends
+def test_the_core_imports_no_integration_and_no_lightning_and_the_loaders_and_callbacks_no_front_end():
+    # count ← payload ← parts ← window ← loop ← engines: the core; loaders ← trainer, fabric: the loop is the same
+    # object for both front ends
     import ast
     from pathlib import Path
 
@@ -577,14 +573,23 @@ def test_the_core_imports_no_integration_and_no_lightning_and_the_loaders_no_fro
         found = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         return found | {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
 
-    core = ["window.py", "loop.py", *(f"engines/{p.name}" for p in sorted((root / "engines").glob("*.py")))]
+    layers = ["count.py", "payload.py", "parts.py", "window.py", "loop.py"]  # each imports only those before it
+    engines = [f"engines/{p.name}" for p in sorted((root / "engines").glob("*.py"))]
+    core = [*layers, *engines]
     integrations = ("loaders", "trainer", "fabric", "counter", "monitor", "audit", "strategy")
     for name in core:
         found = imports(name)
         assert not {m for m in found if m.startswith(tuple(f"lightning_weighted.{i}" for i in integrations))}, name
         assert not {m for m in found if m == "lightning" or m.startswith("lightning.")}, name
+    for k, name in enumerate(layers):
+        later = {f"lightning_weighted.{layer.removesuffix('.py')}" for layer in layers[k:]}
+        assert not imports(name) & later, name
+    for name in core:  # one job a file, short enough to read in one sitting
+        assert len((root / name).read_text().splitlines()) < 400, name
     loaders = [f"loaders/{p.name}" for p in sorted((root / "loaders").glob("*.py"))]
     assert {"loaders/epoch.py", "loaders/sampler.py", "loaders/extension.py"} <= set(loaders)
     front_ends = ("lightning_weighted.trainer", "lightning_weighted.fabric")
     for name in loaders:
+        assert not {m for m in imports(name) if m.startswith(front_ends)}, name
+    for name in ("counter.py", "monitor.py"):  # callbacks outside a front end's room read a strategy as `strategy`
         assert not {m for m in imports(name) if m.startswith(front_ends)}, name

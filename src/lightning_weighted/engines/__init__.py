@@ -9,7 +9,6 @@ engine, write one file here with such an object and the strategy classes that bu
 from __future__ import annotations
 
 from collections.abc import Iterable
-from functools import partial
 from typing import Protocol
 
 import torch
@@ -17,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["Engine", "FiniteGradients", "finite_gradients"]
+__all__ = ["Engine", "FiniteGradients"]
 
 
 class Engine(Protocol):
@@ -47,6 +46,10 @@ class FiniteGradients:
     def __init__(self) -> None:
         self._handles: list[RemovableHandle] = []
 
+    def keep_finite(self, tensors: Iterable[Tensor]) -> None:
+        """Keeps only the finite values of each gradient computed for ``tensors``, until :meth:`after_backward`."""
+        self._handles = [tensor.register_hook(_finite) for tensor in tensors]  # type: ignore[no-untyped-call]
+
     def after_backward(self) -> None:
         """Removes the hooks of an empty microbatch."""
         for handle in self._handles:
@@ -54,7 +57,5 @@ class FiniteGradients:
         self._handles = []
 
 
-def finite_gradients(tensors: Iterable[Tensor]) -> list[RemovableHandle]:
-    """Hooks that keep only the finite values of each gradient computed for ``tensors`` (until the handles go)."""
-    keep_finite = partial(torch.nan_to_num, nan=0.0, posinf=0.0, neginf=0.0)
-    return [tensor.register_hook(keep_finite) for tensor in tensors]  # type: ignore[no-untyped-call]
+def _finite(gradient: Tensor) -> Tensor:
+    return torch.nan_to_num(gradient, nan=0.0, posinf=0.0, neginf=0.0)

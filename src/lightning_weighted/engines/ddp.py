@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_weighted.engines import FiniteGradients, finite_gradients
+from lightning_weighted.engines import FiniteGradients
 
 __all__ = ["DDPEngine", "fp16_backward", "zero_loss"]
 
@@ -33,7 +33,7 @@ class DDPEngine(FiniteGradients):
         """``0 · loss`` through its own graph, each gradient's finite values kept; graphless, :func:`zero_loss`."""
         if loss is None or loss.grad_fn is None:
             return zero_loss(self.module)
-        self._handles = finite_gradients(p for p in self._parameters if p.requires_grad)
+        self.keep_finite(p for p in self._parameters if p.requires_grad)
         return loss.sum() * 0.0
 
     def parameters(self) -> Iterable[Tensor]:

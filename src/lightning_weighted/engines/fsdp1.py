@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_weighted._compat import flat_parameters, fsdp1_options, fsdp_setup_helpers, reduce_scatter
-from lightning_weighted.engines import FiniteGradients, finite_gradients
+from lightning_weighted.engines import FiniteGradients
 
 __all__ = ["FSDP1Engine", "full_state_dict_in_place", "wrapped_on_cpu"]
 
@@ -48,7 +48,7 @@ class FSDP1Engine(FiniteGradients):
     def empty(self, loss: Tensor | None) -> Tensor:
         """``0 · loss`` through its own graph; the flat parameters keep the finite values of their gradients."""
         assert loss is not None  # the loop refuses a step without a graph first (`needs_graph`)
-        self._handles = finite_gradients(flat_parameters(self.root))
+        self.keep_finite(flat_parameters(self.root))
         return loss.sum() * 0.0
 
     def parameters(self) -> Iterable[Tensor]:

@@ -17,12 +17,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_weighted._compat import unfloored
+from lightning_weighted.count import FABRIC, Counts, Problem, read_count, read_counts
 from lightning_weighted.engines import Engine
 from lightning_weighted.fabric._loader import FabricLoader, Yielded
 from lightning_weighted.loaders import Participation, Policy
 from lightning_weighted.loop import Output, WindowLoop, terms
 from lightning_weighted.strategy import WeightedStrategy
-from lightning_weighted.window import FABRIC, Counts, Problem, read_count, read_counts
 
 
 class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):

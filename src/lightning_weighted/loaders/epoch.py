@@ -18,8 +18,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from lightning_weighted.count import Counts
 from lightning_weighted.loaders.extension import extend
-from lightning_weighted.window import Counts
 
 __all__ = ["EpochBatches", "Participation", "Pass", "Policy", "combined_lengths", "lengths_of", "participating"]
 

@@ -15,11 +15,11 @@ from lightning_weighted._compat import (
     set_sampler_epoch,
     set_train_batches,
 )
+from lightning_weighted.count import Counts
 from lightning_weighted.loaders import EpochBatches, Participation, Policy, participating, without_padding
 from lightning_weighted.loaders.epoch import _strict_message, combined_lengths, combined_message, lengths_of
 from lightning_weighted.loaders.extension import extend, extension, own_length, own_state, restore
 from lightning_weighted.loaders.resume import FORMAT, KEY, Resumed, dataset_length, whole_epoch
-from lightning_weighted.window import Counts
 
 
 class FitLoaders:

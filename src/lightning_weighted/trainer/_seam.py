@@ -34,10 +34,12 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_weighted._compat import metric_restore, metric_snapshot
+from lightning_weighted.count import TRAINER, Count, Counts, Problem, Wording
 from lightning_weighted.loop import Exchange, Output, WindowLoop, read_output
 from lightning_weighted.monitor import loggable
+from lightning_weighted.payload import window_result
 from lightning_weighted.trainer._loaders import FitLoaders
-from lightning_weighted.window import TRAINER, Count, Counts, Problem, Window, Wording, window_result
+from lightning_weighted.window import Window
 
 EPOCH_END = "LightningModule.on_train_batch_start"
 SCHEDULERS = "LightningModule.lr_scheduler_step"

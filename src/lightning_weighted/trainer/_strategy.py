@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_weighted._compat import fetched_batch, train_batch_idx, train_progress, unfloored
+from lightning_weighted.count import TRAINER, Count, Problem, Wording, host_items
 from lightning_weighted.counter import ItemCounter
 from lightning_weighted.engines import Engine
 from lightning_weighted.loaders import Policy
@@ -30,7 +31,6 @@ from lightning_weighted.loop import Output, WindowLoop, read_output
 from lightning_weighted.strategy import WeightedStrategy
 from lightning_weighted.trainer._loaders import FitLoaders
 from lightning_weighted.trainer._seam import BatchState, EvaluationLoss, Seam
-from lightning_weighted.window import TRAINER, Count, Problem, Wording, host_items
 
 _TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 

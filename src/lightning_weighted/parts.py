@@ -1,0 +1,130 @@
+r"""A window's named loss parts, counted ahead and held as vectors: a fixed number of tensor operations a window.
+
+Microbatch :math:`m` backpropagates :math:`\sum_k f_{mk} \ell_{mk}`, the factors :math:`D w_{mk} / N_k` of
+:meth:`~lightning_weighted.window.Window.factor` (:math:`w` the count of a mean, 1 for a sum over items that holds
+some). The factors are copied to the device once per window, as are each part's items and problems (a replay is
+planned with a count of 0); each part's :math:`\sum_m w_{mk} \ell_{mk}` is summed once per window.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import cast
+
+import torch
+from torch import Tensor
+
+from lightning_weighted.count import MAX_ITEMS, Counts, DeviceCount, Problem, host_items, valid_count
+from lightning_weighted.payload import Slot, host_tensor
+
+__all__ = ["Parts"]
+
+
+class Parts:
+    """The :math:`K` named parts of one window counted ahead (see the module docstring).
+
+    Args:
+        rows: each microbatch's counts, one per part.
+        totals: each part's :math:`N` (numbers, or still on the device).
+        divisor: :math:`D`, what the engine's reduction divides the SUM of the gradients by.
+        device: where the gradients live.
+    """
+
+    def __init__(
+        self, rows: Sequence[Counts], totals: Sequence[float | Tensor] | Tensor, divisor: int, device: torch.device
+    ) -> None:
+        self.count = len(totals)  # K
+        self.microbatches = len(rows)  # M
+        counts = [count for row in rows for count in row.each()]  # microbatch-major: row m's K counts
+        found = [(c.problem, c.value) for c in counts if isinstance(c.problem, Problem)]
+        self.problem: tuple[Problem, float] | None = None  # the first problem known on the host
+        if found:
+            problem, value = found[0]
+            self.problem = (problem, value if isinstance(value, float) else math.nan)
+        self.device_items: Tensor | None = None  # each part's items, where the counts are on the device
+        self.checks: list[DeviceCount] = []  # the counts on a device, checked there by the window (and TOO_LARGE)
+        self._device = device
+        self._tables: dict[tuple[bool, torch.dtype], tuple[Tensor, Sequence[Tensor]]] = {}  # by item sum and dtype
+        self._held: list[tuple[int, Tensor, Tensor]] = []  # each microbatch, its weights' table, its losses
+        valid = [valid_count(count) for count in counts]
+        on_host = not any(isinstance(n, Tensor) for n in valid)
+        if on_host and not isinstance(totals, Tensor) and not any(isinstance(t, Tensor) for t in totals):
+            self._host: list[float] | None = cast("list[float]", valid)  # every count and every N a number
+            self._scale: list[float] | Tensor = [divisor / t if t > 0 else 0.0 for t in cast("list[float]", totals)]
+            self.items = host_items(rows, self.count)
+            if self.problem is None and max(self.items) >= MAX_ITEMS:
+                self.problem = (Problem.TOO_LARGE, max(self.items))
+            self.some_empty = min(self._host, default=1.0) <= 0
+            return
+        self._counts = _vector(valid, device, at_once=on_host).view(-1, self.count)
+        total = _float64(totals, device) if isinstance(totals, Tensor) else _vector(totals, device, at_once=False)
+        self._scale = torch.where(total > 0, divisor / total, 0.0)
+        self._host, self.items, self.some_empty = None, [0.0] * self.count, True
+        self.device_items = self._counts.sum(0)
+        for count in counts:
+            if isinstance(count.problem, Tensor):
+                self.checks.append(DeviceCount(_float64(count.value, device), count.problem))
+        zero, most = _float64(0.0, device), self.device_items.max()
+        too_large = torch.where(most >= MAX_ITEMS, float(Problem.TOO_LARGE), zero)
+        self.checks.append(DeviceCount(most, too_large))
+
+    def loss(self, microbatch: int, item_sum: bool, losses: Tensor) -> tuple[float, Tensor]:
+        """The factor and loss microbatch ``microbatch`` backpropagates, from its stacked ``losses`` (means or sums).
+
+        ``0.0`` and ``losses`` where no part holds an item: the engine's 0 (the window notes whether it is finite).
+        """
+        if self.some_empty and self._host is not None:
+            row = self._host[microbatch * self.count : (microbatch + 1) * self.count]
+            if not any(row):
+                return 0.0, losses
+        weights, factors = self._table(item_sum, losses.dtype)
+        self._held.append((microbatch, weights, losses.detach()))
+        return 1.0, torch.dot(losses, factors[microbatch])
+
+    def _table(self, item_sum: bool, dtype: torch.dtype) -> tuple[Tensor, Sequence[Tensor]]:
+        """The weights (a mean's its count, a sum's 1 where it counts any) and each microbatch's factors, once."""
+        if (item_sum, dtype) not in self._tables:
+            if self._host is not None:  # made on the host, copied to the device at once
+                scale = cast("list[float]", self._scale)
+                host = [1.0 if n else 0.0 for n in self._host] if item_sum else self._host
+                factors = [w * scale[i % self.count] for i, w in enumerate(host)]  # entry i is part i % K's
+                weights, scaled = host_tensor(host + factors, self._device).view(2, -1, self.count).unbind(0)
+            else:
+                weights = (self._counts > 0).double() if item_sum else self._counts
+                scaled = weights * cast("Tensor", self._scale)
+            self._tables[item_sum, dtype] = (weights, scaled.to(dtype).unbind(0))
+        return self._tables[item_sum, dtype]
+
+    def device_fields(self, empty: Callable[[Tensor], None]) -> dict[Slot, Tensor]:
+        """The payload's fields on a device, a vector each; a loss of weight 0 adds 0, and goes to ``empty``."""
+        fields: dict[Slot, Tensor] = {}
+        if self.device_items is not None:
+            fields[Slot.ITEMS] = fields[Slot.LOCAL] = self.device_items
+        if not self._held:
+            return fields
+        rows = [m for m, _, _ in self._held]
+        tables = [table for _, table, _ in self._held]
+        losses = torch.stack([loss for _, _, loss in self._held])  # times float64 weights: float64
+        if rows == list(range(self.microbatches)) and all(t is tables[0] for t in tables):  # each microbatch once
+            weights = tables[0]
+        else:
+            weights = torch.stack([table[m] for m, table in zip(rows, tables, strict=True)])
+        if not self.some_empty:
+            fields[Slot.LOSS] = (losses * weights).sum(0)
+            return fields
+        valid = weights > 0
+        empty(torch.where(valid, 0.0, losses))
+        fields[Slot.LOSS] = torch.where(valid, losses * weights, 0.0).sum(0)
+        return fields
+
+
+def _vector(values: Sequence[float | Tensor], device: torch.device, at_once: bool) -> Tensor:
+    """``values`` as a float64 vector on ``device``: numbers copied at once, or each value put there and stacked."""
+    if at_once:
+        return host_tensor(cast("list[float]", values), device)
+    return torch.stack([_float64(value, device) for value in values])
+
+
+def _float64(value: object, device: torch.device) -> Tensor:
+    return torch.as_tensor(value, dtype=torch.float64, device=device)
