@@ -49,6 +49,7 @@ class FabricConfig(Config):
     marking: str = "no_sync"  # how windows are marked: "no_sync" (no_backward_sync) or "window_end" (the keyword)
     item_sum: bool = False  # pass the loss as a sum over items, with reduction="sum"
     misuse: str | None = None  # a use the strategy refuses: see `train_epoch`
+    counts: str = "given"  # "given": each microbatch's count; "none": none (a loop written for "ddp"); "one": count=1
     evaluate: bool = False  # after training, one pass over the loader without backward (an evaluation loop)
     ahead: bool = False  # fetch each window's batches first and hand their counts over with `count_ahead`
     metrics: bool = False  # an ItemMetrics takes each window's result: its values per window and epoch are recorded
@@ -206,7 +207,9 @@ def train_epoch(
             if not weighted(config):
                 fabric.backward(mean / a)
             else:
-                keywords: dict[str, Any] = {} if count == "missing" else {"count": count}
+                keywords: dict[str, Any] = {"count": count}
+                if config.counts != "given":
+                    keywords = {"count": 1} if config.counts == "one" else {}
                 if count == "nograd":  # a loss cut from the graph, with a valid count
                     mean, total, keywords = mean.detach(), total.detach(), {"count": 3}
                 if config.marking == "window_end" or misuse == "window_end_in_no_sync":

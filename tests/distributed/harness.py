@@ -79,8 +79,12 @@ def fit(
     return (records, done.stdout) if output else records
 
 
-def fabric_fit(config: Any, tmp_path: Path, timeout: float = 120, expect_failure: bool = False) -> Any:
-    """Runs `fabric_worker.py` on the config's ranks; returns every rank's record (with `error` when one raised)."""
+def fabric_fit(
+    config: Any, tmp_path: Path, timeout: float = 120, expect_failure: bool = False, output: bool = False
+) -> Any:
+    """Runs `fabric_worker.py` on the config's ranks; returns every rank's record (with `error` when one raised),
+    and with `output=True` what the ranks printed too."""
     out, done = run_worker("fabric_worker.py", config, tmp_path, timeout)
     assert (done.returncode != 0) == expect_failure, done.stdout[-8000:]
-    return [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(config.world_size)]
+    records = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(config.world_size)]
+    return (records, done.stdout) if output else records

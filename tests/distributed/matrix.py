@@ -164,6 +164,7 @@ DEFAULTS: dict[str, Any] = {
     "skip": None,  # how the resumed loop finds its place: fast-forwards ("continue" | "next"), or its loader's "state"
     "save_after": None,  # the optimizer step after which fabric.save writes its checkpoint
     "rollback": None,  # (save after step, load after step): fabric.load rolls back within the run
+    "models": 1,  # Fabric: models trained side by side on the same batches, each its own optimizer (seeds 0, 1, ...)
 }
 
 
@@ -456,6 +457,9 @@ ROWS: list[Row] = [
         " `fabric.save`/`fabric.load` mid epoch 1 (step 6)", front="fabric", extra=("padding",),
         options={"layout": "shared", "loader": "stateful", "shuffle": False, "save_after": 6, "resume_from": 6,
                  "skip": "state"}),
+    Row("fabric-two-models", FABRIC, "two models trained side by side (an actor-critic loop's shape), each its own"
+        " optimizer and windows: `fabric.backward(loss, model=...)`, `count_ahead(..., model=...)`", front="fabric",
+        extra=("padding",), options={"models": 2}, home=("ddp", "ahead")),
     Row("fabric-rollback", FABRIC, "`fabric.save` after step 1, `fabric.load` after step 3, training on",
         front="fabric", extra=("padding",), options={"rollback": (1, 3)}),
     Row("fabric-cycle-iterator", FABRIC, "a LitGPT-style `CycleIterator`: windows of 3 cross the epoch boundary",
@@ -826,9 +830,14 @@ def replays(options: Mapping[str, Any], front: str, world_size: int = WORLD) -> 
 # ---------------------------------------------------------------------------------------------- the reference
 def reference(row: Row, steps: list[Step], options: Mapping[str, Any] | None = None) -> list[Tensor]:
     """Trains a float64 copy of the model on each step's ``Σ w·ℓ / Σ w`` over the items of the step (SGD with
-    momentum at each step's lr, or LBFGS); a step without items changes nothing. Returns the final parameters."""
+    momentum at each step's lr, or LBFGS); a step without items changes nothing. Returns the final parameters (of
+    each model in turn, where ``models`` trains several side by side)."""
     options = row.options if options is None else options
-    model = copy.deepcopy(make_model()).double()
+    return [p for seed in range(option(options, "models")) for p in _reference(steps, options, seed)]
+
+
+def _reference(steps: list[Step], options: Mapping[str, Any], seed: int) -> list[Tensor]:
+    model = copy.deepcopy(make_model(seed)).double()
     lbfgs = option(options, "optimizer") == "lbfgs"
     optimizer: torch.optim.Optimizer = (
         torch.optim.LBFGS(model.parameters(), **LBFGS)

@@ -162,9 +162,14 @@ class Loop:
             strategy=make_strategy(cell), accelerator="cpu", devices=cell["world_size"], precision="32-true"
         )
         self.fabric.launch()
-        self.model = self.fabric.setup_module(matrix.make_model().double())
-        optimizer = torch.optim.SGD(self.model.parameters(), lr=matrix.LR, momentum=self.options["momentum"])
-        self.optimizer = self.fabric.setup_optimizers(optimizer)
+        # `models=2`: an actor-critic loop's shape, two models each with its own optimizer and backward
+        self.models, self.optimizers = [], []
+        for seed in range(self.options["models"]):
+            model = self.fabric.setup_module(matrix.make_model(seed).double())
+            optimizer = torch.optim.SGD(model.parameters(), lr=matrix.LR, momentum=self.options["momentum"])
+            self.models.append(model)
+            self.optimizers.append(self.fabric.setup_optimizers(optimizer))
+        self.model, self.optimizer = self.models[0], self.optimizers[0]
         self.clock = Clock()
         layout, make = self.options["layout"], stateful if self.options["loader"] == "stateful" else DataLoader
         shared = layout == "shared"
@@ -241,7 +246,9 @@ class Loop:
                 held.append(item)
                 if last:
                     counts = [b[2][2].sum() for b in held]  # each batch's valid items, before any forward
-                    self.fabric.strategy.count_ahead(counts, integer=True)
+                    for model in self.models:
+                        model_keyword = {"model": model} if len(self.models) > 1 else {}
+                        self.fabric.strategy.count_ahead(counts, integer=True, **model_keyword)
                     for k, one in enumerate(held):
                         self.backward(one, k == len(held) - 1)
                     held = []
@@ -250,7 +257,7 @@ class Loop:
                 if self.done():
                     break
         self.record["global_step"] = self.steps
-        self.record["params"] = whole_params(self.model)
+        self.record["params"] = [p for model in self.models for p in whole_params(model)]
 
     def backward(self, item: tuple[int, int, Any, bool], last: bool) -> None:
         epoch, index, (x, y, w, ids), replay = item
@@ -258,15 +265,17 @@ class Loop:
         dtype = torch.float64
         x, y, w = x.to(dtype), y.to(dtype), w.to(dtype)
         window_end = self.options["marking"] == "window_end"
-        with self.fabric.no_backward_sync(self.model, enabled=not last and not window_end):
-            mean = matrix.masked_mean(matrix.item_losses(self.model, x, y), w)
-            if not self.weighted:
-                self.fabric.backward(mean / self.a)
-                return
-            keywords: dict[str, Any] = {} if self.ahead else {"count": w.sum()}
-            if window_end:
-                keywords["window_end"] = last
-            self.fabric.backward(mean, **keywords)
+        for model in self.models:
+            with self.fabric.no_backward_sync(model, enabled=not last and not window_end):
+                mean = matrix.masked_mean(matrix.item_losses(model, x, y), w)
+                keywords: dict[str, Any] = {"model": model} if len(self.models) > 1 else {}
+                if not self.weighted:
+                    self.fabric.backward(mean / self.a, **keywords)
+                    continue
+                keywords.update({} if self.ahead else {"count": w.sum()})
+                if window_end:
+                    keywords["window_end"] = last
+                self.fabric.backward(mean, **keywords)
 
     def saved(self) -> dict[str, Any]:
         """What `fabric.save` keeps: the model, the optimizer and, to resume in its place, the loader (LitGPT's)."""
@@ -275,10 +284,11 @@ class Loop:
 
     def step(self, epoch: int, index: int) -> None:
         clip = self.options["fabric_clip"]
-        if clip is not None:
-            self.fabric.clip_gradients(self.model, self.optimizer, max_norm=clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad()
+        for model, optimizer in zip(self.models, self.optimizers, strict=True):
+            if clip is not None:
+                self.fabric.clip_gradients(model, optimizer, max_norm=clip)
+            optimizer.step()
+            optimizer.zero_grad()
         self.record["steps"].append({"step": self.steps, "batches": self.pending})
         self.pending = []
         self.steps += 1

@@ -121,10 +121,9 @@ def test_a_window_without_items_leaves_params_and_optimizer_state_bit_identical(
     [
         (-3, "ValueError: on rank 1, a microbatch's count is negative (-3)."),
         (float("nan"), "ValueError: on rank 1, a microbatch's count is not finite (nan)."),
-        ("missing", "TypeError: on rank 1, fabric.backward got no count."),
     ],
 )
-def test_a_bad_or_missing_count_on_one_rank_raises_the_same_error_on_every_rank_before_the_step(
+def test_a_bad_count_on_one_rank_raises_the_same_error_on_every_rank_before_the_step(
     tmp_path, strategy, value, message
 ):
     # rank 1's microbatch 3 sits in window 1 (A = 2): window 0 steps, window 1 raises at its end
@@ -193,8 +192,8 @@ def test_every_precision_gives_the_reference_within_its_precision_and_plain_fabr
         ("fsdp2_weighted", "step_in_open_window", "RuntimeError: optimizer.step() was called while a window is open"),
         ("ddp_weighted", "clip_in_open_window", "RuntimeError: fabric.clip_gradients was called while a window is"),
         ("ddp_weighted", "reduction", "ValueError: fabric.backward got reduction='avg'"),
-        ("ddp_weighted", "second_model", "RuntimeError: WeightedFabricDDPStrategy weights the gradients of one"),
-        ("fsdp2_weighted", "second_model", "RuntimeError: WeightedFabricModelParallelStrategy weights the gradients"),
+        ("ddp_weighted", "second_model", "RuntimeError: 2 models are set up, each trained in windows of its own"),
+        ("fsdp2_weighted", "second_model", "RuntimeError: 2 models are set up, each trained in windows of its own"),
     ],
 )
 def test_uses_that_cannot_be_weighted_are_refused_on_every_rank_with_the_fix(tmp_path, strategy, misuse, message):
@@ -248,3 +247,16 @@ def test_fabric_fsdp2s_default_sharding_keeps_a_tied_weight_with_the_root_and_tr
     assert max_relative_error(result[0]["params"], expected["params"]) < 1e-5
     plain = fabric_fit(dataclasses.replace(config, strategy="fsdp2"), tmp_path)
     assert max_relative_error(plain[0]["params"], expected["params"]) > 1e-2
+
+
+@pytest.mark.parametrize("strategy", ["ddp_weighted", "fsdp2_weighted"])
+def test_a_loop_written_for_ddp_weights_each_microbatch_alike_and_says_so_once(tmp_path, strategy):
+    # no count anywhere: each microbatch's loss counts 1 (a replay 0), as `count=1` says, and rank 0 says so once
+    notice = "fabric.backward got no count, so each microbatch's loss is weighted alike"
+    bare, bare_output = fabric_fit(FabricConfig(strategy=strategy, accumulate=2, counts="none"), tmp_path / "a",
+                                   output=True)  # fmt: skip
+    ones, ones_output = fabric_fit(FabricConfig(strategy=strategy, accumulate=2, counts="one"), tmp_path / "b",
+                                   output=True)  # fmt: skip
+    assert bare_output.count(notice) == 1 and ones_output.count(notice) == 0
+    for a, b in zip(bare, ones, strict=True):
+        assert identical(a["local_params"], b["local_params"]) and len(a["steps"]) == len(b["steps"]) > 1

@@ -9,7 +9,7 @@ from itertools import zip_longest
 from typing import Any, Literal
 
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.utilities import rank_zero_warn
+from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
 from lightning.fabric.utilities.types import Optimizable
 from torch import Tensor
 from torch.nn import Module
@@ -37,44 +37,49 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
     def __init__(self, *args: Any, participation: Policy = "pad", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._policy = Participation(participation).policy  # checked now, where the user passed it
-        self._loop: WindowLoop | None = None
+        self._loop: WindowLoop | None = None  # the last model's (what `last_window` and the like tell)
+        self._models: dict[int, _Windows] = {}  # each set-up model's windows, by the id of what `setup_module` gave
         self._yielded = Yielded()
-        self._planned: deque[bool] = deque()  # counted ahead: whether each microbatch of the window is a replay
-        self._windows = 0  # windows ended so far
-        self._skip = False  # the last window had no item: the optimizer steps after it change nothing
+        self._implicit_noted = False  # a backward without a count was said to weight microbatches alike
 
     @property
     @override
     def padding_step(self) -> bool:
         return self._yielded.replay
 
-    def _start(self, engine: Engine) -> None:
-        """Builds the loop over the engine of the model just set up (one model per strategy)."""
-        if self._loop is not None:
-            raise RuntimeError(_SECOND_MODEL.format(type(self).__name__))
+    def _start(self, engine: Engine, module: Module) -> None:
+        """Builds the windows of the model just set up (``module``: what ``setup_module`` returns for it)."""
         self._loop = WindowLoop(engine, self.root_device, replace(FABRIC, strategy=self.strategy_name))
+        self._models[id(module)] = _Windows(self._loop)
 
-    def count_ahead(self, counts: Sequence[object] | Mapping[str, Sequence[object]], integer: bool = False) -> None:
+    def count_ahead(
+        self,
+        counts: Sequence[object] | Mapping[str, Sequence[object]],
+        integer: bool = False,
+        model: Module | None = None,
+    ) -> None:
         """Hands over the counts of the next window's microbatches, fetched already, before its first forward.
 
         ``fabric.backward`` takes them in order (a ``count=`` given there must agree), a replay's counting 0.
         ``integer``: whole numbers only. A dict of named parts (``{"policy": [...], "kl": [...]}``) averages each
         over its own ``N``; a part given fewer counts than another is refused at the window's end, on every rank.
+        ``model``: whose window they count, where several models are set up (as ``fabric.backward(..., model=)``).
         """
-        loop = self._require_loop()
+        windows = self._windows_of(getattr(model, "_forward_module", model))
+        loop = windows.loop
         named = dict(counts) if isinstance(counts, Mapping) else {"": counts}
         loop.parts = tuple(name for name in named if name)  # the parts this window averages, each over its own N
         size = max((len(c) for c in named.values()), default=0)
         replays = self._yielded.replays(size)
         rows = zip_longest(*named.values())  # a shorter part's missing count is not a number
         loop.plan([_read_ahead(row, (integer,) * len(named), bool(r)) for row, r in zip(rows, replays, strict=True)])
-        self._planned = deque(replays)
+        windows.planned = deque(replays)
 
-    def _syncs(self) -> bool:
+    def _syncs(self, engine: Engine) -> bool:
         """Whether the coming backward reduces gradients across ranks (it does not inside ``no_backward_sync``)."""
         raise NotImplementedError
 
-    def _local(self, backward: Any) -> Any:
+    def _local(self, engine: Engine, backward: Any) -> Any:
         """Runs ``backward()`` keeping its gradients local although it would sync: it does not end the window."""
         return backward()
 
@@ -104,11 +109,19 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
             parts: named loss parts, each the mean (or sum) over its own items, counted by :meth:`count_ahead`.
             **kwargs: passed on to the precision plugin's backward.
         """
-        loop, syncs = self._require_loop(), self._syncs()
+        windows = self._windows_of(module)
+        loop = windows.loop
+        syncs = self._syncs(loop.engine)
         ends = _ends_window(syncs, window_end, reduction)
         if not loop.open:
             loop.parts = ()  # a window counted after its forwards: one loss
-        replay = self._planned.popleft() if self._planned else self._yielded.replay
+        planned = bool(windows.planned)
+        replay = windows.planned.popleft() if planned else self._yielded.replay
+        if count is None and parts is None and not planned:  # a loop written for plain DDP: microbatches alike
+            count = 1
+            if not self._implicit_noted:
+                self._implicit_noted = True
+                rank_zero_info(_IMPLICIT.format(self.strategy_name))
         self._yielded.backwards += 1
         loop.add(_step(tensor, count, reduction, parts, aux), replay)
         scaled = loop.backward_loss(tensor)
@@ -118,26 +131,29 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
             loop.end(more)
         try:
             if syncs and not ends:
-                self._local(lambda: super(WeightedFabricStrategy, self).backward(scaled, module, *args, **kwargs))
+                backward = super().backward
+                self._local(loop.engine, lambda: backward(scaled, module, *args, **kwargs))
             else:
                 super().backward(scaled, module, *args, **kwargs)
         finally:
             loop.engine.after_backward()
         if ends:
             skipped = loop.skipped_steps
-            result = loop.finish(self._windows, more)
-            self._windows += 1
-            self._planned.clear()
+            result = loop.finish(windows.ended, more)
+            windows.ended += 1
+            windows.planned.clear()
             if participation is not None:
                 participation.after_window(loop.ranks_with_more, position, loop.engine.group, self.root_device)
-            self._skip = loop.skipped_steps > skipped
-            if self._skip:
+            windows.skip = loop.skipped_steps > skipped
+            if windows.skip:
                 rank_zero_warn(f"The global item count of window {result.step} is 0: {_SKIPPED}")
 
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
-        self._check_closed("optimizer.step()")
-        if self._skip:
+        windows = self._windows_stepped_by(optimizer)
+        if windows is not None and windows.loop.open:
+            raise RuntimeError(_OPEN.format("optimizer.step()"))
+        if windows is not None and windows.skip:
             return None  # a window without items: no parameter, no optimizer state changes
         return super().optimizer_step(optimizer, **kwargs)
 
@@ -150,12 +166,12 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
         norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
     ) -> Tensor:
-        self._check_closed("fabric.clip_gradients")
+        self._check_closed(module)
         return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
 
     @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
-        self._check_closed("fabric.clip_gradients")
+        self._check_closed(module)
         super().clip_gradients_value(module, optimizer, clip_val)
 
     @override
@@ -179,23 +195,58 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
         tensor = unfloored(tensor, reduce_op) if isinstance(tensor, Tensor) else tensor
         return super().all_reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[safe-super]
 
-    def _require_loop(self) -> WindowLoop:
-        if self._loop is None:
+    def _windows_of(self, module: Module | None) -> _Windows:
+        """The windows of the set-up model ``module`` (``None``: the one model set up)."""
+        if module is not None and id(module) in self._models:
+            return self._models[id(module)]
+        if not self._models:
             raise RuntimeError(_NO_MODEL)
-        return self._loop
+        if len(self._models) > 1:
+            raise RuntimeError(_WHICH_MODEL.format(len(self._models)))
+        return next(iter(self._models.values()))
 
-    def _check_closed(self, what: str) -> None:
-        if self._loop is not None and self._loop.open:
-            raise RuntimeError(_OPEN.format(what))
+    def _windows_stepped_by(self, optimizer: Optimizable) -> _Windows | None:
+        """The windows of the model whose parameters ``optimizer`` steps (``None``: none set up)."""
+        first = next((p for group in optimizer.param_groups for p in group["params"]), None)
+        for windows in self._models.values():
+            if windows.parameters is None:
+                windows.parameters = {id(p) for p in windows.loop.engine.parameters()}
+            if id(first) in windows.parameters:
+                return windows
+        return None
+
+    def _check_closed(self, module: Module) -> None:
+        windows = self._models.get(id(module))
+        if windows is not None and windows.loop.open:
+            raise RuntimeError(_OPEN.format("fabric.clip_gradients"))
+
+
+class _Windows:
+    """One set-up model's windows: its loop, the replays of the window counted ahead, the step it skips."""
+
+    def __init__(self, loop: WindowLoop) -> None:
+        self.loop = loop
+        self.planned: deque[bool] = deque()  # counted ahead: whether each microbatch of the window is a replay
+        self.ended = 0  # windows ended so far
+        self.skip = False  # the last window had no item: the optimizer steps after it change nothing
+        self.parameters: set[int] | None = None  # the ids of its parameters, to find the optimizer that steps it
 
 
 _SKIPPED = (
     "the optimizer steps after it change nothing. A loop that steps an LR scheduler can skip it when"
     " `fabric.strategy.last_window.items == 0`."
 )
-_SECOND_MODEL = (
-    "{} weights the gradients of one model, and a second one was set up. Set up the trained modules as one"
-    " `nn.Module` (a container of both)."
+_IMPLICIT = (
+    "{}: fabric.backward got no count, so each microbatch's loss is weighted alike (a replay counts 0): a step follows"
+    " the mean of its microbatches' losses over every rank, as plain DDP's does with one microbatch a step (a loss"
+    " already divided by the number of microbatches is divided again). If the loss is a mean over tokens or sample"
+    " weights, pass their number: `fabric.backward(loss, count=n)`, or the window's counts to"
+    " `fabric.strategy.count_ahead`; `count=1` keeps this and silences it."
+)
+_WHICH_MODEL = (
+    "{} models are set up, each trained in windows of its own: say which one a loss trains with"
+    " `fabric.backward(loss, model=model, ...)` (and `fabric.strategy.count_ahead(counts, model=model)`), or set up"
+    " the modules trained together as one `nn.Module`."
 )
 _NO_MODEL = (
     "fabric.backward ran before a model was set up: call `model, optimizer = fabric.setup(model, optimizer)` first."

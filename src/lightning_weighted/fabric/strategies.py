@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_weighted._compat import BackwardSyncControl, fsdp1_checkpoints, set_backward_sync_control
+from lightning_weighted.engines import Engine
 from lightning_weighted.engines.ddp import DDPEngine, fp16_backward
 from lightning_weighted.engines.fsdp1 import FSDP1Engine, full_state_dict_in_place, wrapped_on_cpu
 from lightning_weighted.engines.fsdp2 import FSDP2Engine, shard_blocks
@@ -43,24 +44,20 @@ class WeightedFabricDDPStrategy(WeightedFabricStrategy, DDPStrategy):
     strategy_name = "ddp_weighted"
     # Fabric names a notebook launcher too
     _registered = "Count-weighted Fabric DDP", [*LAUNCHERS, ("ddp_weighted_notebook", {"start_method": "fork"})]
-    _ddp: DistributedDataParallel | None = None  # set by `setup_module`
 
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
         ddp = super().setup_module(module)
-        self._start(DDPEngine(ddp, module, mean_sized=fp16_backward(self.precision)))
-        self._ddp = ddp
+        self._start(DDPEngine(ddp, module, mean_sized=fp16_backward(self.precision)), ddp)
         return ddp
 
     @override
-    def _syncs(self) -> bool:
-        assert self._ddp is not None
-        return self._ddp.require_backward_grad_sync
+    def _syncs(self, engine: Engine) -> bool:
+        return bool(engine.ddp.require_backward_grad_sync)  # type: ignore[attr-defined]
 
     @override
-    def _local(self, backward: Any) -> Any:
-        assert self._ddp is not None
-        with self._ddp.no_sync():
+    def _local(self, engine: Engine, backward: Any) -> Any:
+        with engine.ddp.no_sync():  # type: ignore[attr-defined]
             return backward()
 
 
@@ -103,7 +100,7 @@ class WeightedFabricFSDPStrategy(WeightedFabricStrategy, FSDPStrategy):
     @override
     def setup_module(self, module: Module) -> Module:
         wrapped = wrapped_on_cpu(self, module) or super().setup_module(module)
-        self._start(FSDP1Engine(wrapped))  # its hook is registered before the root's first forward
+        self._start(FSDP1Engine(wrapped), wrapped)  # its hook is registered before the root's first forward
         return wrapped
 
     @override
@@ -123,13 +120,12 @@ class WeightedFabricFSDPStrategy(WeightedFabricStrategy, FSDPStrategy):
         return lambda module, world_size, rank0_only=True: full_state_dict_in_place(module, rank0_only)
 
     @override
-    def _syncs(self) -> bool:
+    def _syncs(self, engine: Engine) -> bool:
         return not self._accumulating
 
     @override
-    def _local(self, backward: Any) -> Any:
-        assert self._loop is not None
-        with self._loop.engine.root.no_sync():  # type: ignore[attr-defined]
+    def _local(self, engine: Engine, backward: Any) -> Any:
+        with engine.root.no_sync():  # type: ignore[attr-defined]
             return backward()
 
     @contextlib.contextmanager
@@ -172,7 +168,7 @@ class WeightedFabricModelParallelStrategy(WeightedFabricStrategy, ModelParallelS
     @override
     def setup_module(self, module: Module) -> Module:
         module = super().setup_module(module)
-        self._start(FSDP2Engine(module, data_parallel_group(self.device_mesh)))
+        self._start(FSDP2Engine(module, data_parallel_group(self.device_mesh)), module)
         return module
 
     @contextlib.contextmanager
@@ -185,5 +181,5 @@ class WeightedFabricModelParallelStrategy(WeightedFabricStrategy, ModelParallelS
             self._accumulating = previous
 
     @override
-    def _syncs(self) -> bool:
+    def _syncs(self, engine: Engine) -> bool:
         return not self._accumulating
