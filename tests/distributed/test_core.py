@@ -51,6 +51,7 @@ def test_a_window_without_items_leaves_ddps_params_optimizer_and_scheduler_bit_i
     result = fit(config, tmp_path)
     for rank in result:
         before, empty, after = rank["steps"]
+        assert [step["stepped"] for step in rank["steps"]] == [True, False, True]  # no optimizer step
         assert identical(empty["params"], before["params"])
         assert identical(empty["state"], before["state"])  # Adam moments and step counts
         assert empty["lr"] == before["lr"] == 0.05 * 0.5 and after["lr"] == 0.05 * 0.25

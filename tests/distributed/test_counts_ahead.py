@@ -57,6 +57,7 @@ def test_a_window_without_items_changes_nothing_on_any_rank(tmp_path):
     result = fit(config, tmp_path)
     for rank in result:
         before, empty, after = rank["steps"]
+        assert [step["stepped"] for step in rank["steps"]] == [True, False, True]  # no optimizer step
         assert _same(empty["params"], before["params"])
         assert all(_same(list(empty["state"][k].values()), list(before["state"][k].values())) for k in before["state"])
         assert empty["lr"] == before["lr"] and rank["skipped_steps"] == 1

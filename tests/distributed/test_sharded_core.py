@@ -56,6 +56,7 @@ def test_a_window_without_items_leaves_every_shard_of_params_optimizer_and_sched
     result = fit_sharded(config, tmp_path)
     for rank in result:
         before, empty, after = rank["steps"]
+        assert [step["stepped"] for step in rank["steps"]] == [True, False, True]  # no optimizer step
         assert identical(empty["params"], before["params"])
         assert identical(empty["state"], before["state"])  # this rank's shards of the Adam moments and step counts
         assert empty["lr"] == before["lr"] == 0.05 * 0.5 and after["lr"] == 0.05 * 0.25

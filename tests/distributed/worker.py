@@ -102,6 +102,9 @@ class Recorder(Callback):
         self._originals: dict[str, Any] = {}
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._last_step, self._stepped, self._pending = trainer.global_step, False, None
+        for optimizer in trainer.optimizers:  # whether the optimizer stepped in a window (not where it had no item)
+            optimizer.register_step_post_hook(lambda *args: setattr(self, "_stepped", True))
         if self.config.host_reads:
             self.spy.install()
             self.spy.active = True
@@ -136,7 +139,7 @@ class Recorder(Callback):
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         with full(trainer, grads=True):
             grads = [whole(p.grad) for p in pl_module.model.parameters() if p.grad is not None]
-        self.steps.append({"norm": grad_norm(grads), "collectives": len(self.collectives)})
+        self._pending = {"norm": grad_norm(grads), "collectives": len(self.collectives)}
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self.spy.active = False
@@ -154,15 +157,17 @@ class Recorder(Callback):
         window = getattr(trainer.strategy, "last_window", None)
         if window is not None and (not self.windows or self.windows[-1][0] != window.step):
             self.windows.append((window.step, window.items, window.local_items))
-        if not self.steps or "params" in self.steps[-1]:
-            return
+        if trainer.global_step == self._last_step:
+            return  # no window ended at this batch
+        # a window without items steps no optimizer and calls no hook before it: its norm is None
+        step = self._pending or {"norm": None, "collectives": len(self.collectives)}
+        step["stepped"], self._last_step, self._stepped, self._pending = self._stepped, trainer.global_step, False, None
         optimizer = trainer.optimizers[0]
         with full(trainer):
-            self.steps[-1]["params"] = [whole(p) for p in pl_module.model.parameters()]
-        self.steps[-1]["state"] = {
-            k: {n: local(t) for n, t in v.items()} for k, v in optimizer.state_dict()["state"].items()
-        }
-        self.steps[-1]["lr"] = optimizer.param_groups[0]["lr"]
+            step["params"] = [whole(p) for p in pl_module.model.parameters()]
+        step["state"] = {k: {n: local(t) for n, t in v.items()} for k, v in optimizer.state_dict()["state"].items()}
+        step["lr"] = optimizer.param_groups[0]["lr"]
+        self.steps.append(step)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.spy.active = False

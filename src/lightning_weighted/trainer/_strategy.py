@@ -164,8 +164,15 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
     def optimizer_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], model: LightningModule | Module | None = None, **kw: Any
     ) -> Any:
-        # Lightning runs the window's last training step and backward inside `closure`, and clips after it
-        return super().optimizer_step(optimizer, lambda: self._windows.last_batch(closure), model, **kw)
+        # `closure` runs the window's last training step and backward, after which the window ends: a window without
+        # items steps no optimizer (nor its hooks, nor clipping). LBFGS runs the closure itself, again and again.
+        windows = self._windows
+        if isinstance(optimizer, torch.optim.LBFGS):
+            return super().optimizer_step(optimizer, lambda: windows.last_batch(closure), model, **kw)
+        result = windows.last_batch(closure)
+        if windows.seam.batch.skipped:
+            return None
+        return super().optimizer_step(optimizer, lambda: result, model, **kw)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
