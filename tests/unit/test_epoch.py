@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_weighted.count import Counts
-from lightning_weighted.loaders import EpochBatches, Participation, participating
+from lightning_weighted.loaders import EpochBatches, Participation, epoch, staged
 from lightning_weighted.loaders.epoch import Pass, combined_lengths, combined_message, lengths_of
 from lightning_weighted.loaders.extension import extension, restore
 
@@ -201,33 +201,35 @@ def test_a_pass_after_a_resumed_one_takes_every_ranks_length_again_and_says_wher
     assert list(stage.iterate(iter("abcde"))) == list("abcde") and told == [5]  # the same length: nothing to say
 
 
-def test_a_loader_with_as_many_batches_on_every_rank_is_left_as_it_is_and_a_shorter_one_reports_the_longest():
+def test_a_staged_loader_is_the_same_object_and_a_shorter_one_reports_the_longest(monkeypatch):
     loader = DataLoader(range(4), batch_size=2)
-    assert participating(loader, Participation(), CPU) == (loader, None)  # one process: every rank alike
-    participation = Participation()
-    extended, stage = participating(loader, participation, CPU, lengths=[2, 3])  # this rank 0 holds 2, rank 1 3
+    even = staged(loader, Participation(), CPU)  # one process: every rank alike, its batches as they are
     try:
-        assert extended is loader and isinstance(stage, EpochBatches) and extension(loader) is not None
+        assert extension(loader) is not None and not even.participation.replays
+        assert len(loader) == 2 and [batch.tolist() for batch in loader] == [[0, 1], [2, 3]]
+    finally:
+        restore(loader)
+    monkeypatch.setattr(epoch, "lengths_of", lambda *args: [2, 3])  # this rank (0) holds 2 batches, rank 1 3
+    participation = Participation()
+    stage = staged(loader, participation, CPU)
+    try:
+        assert isinstance(stage, EpochBatches) and stage.lengths == [2, 3]
         assert len(loader) == 3 and participation.replays
         assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3], [2, 3]]
     finally:
         restore(loader)
     assert len(loader) == 2 and extension(loader) is None
-    always, stage = participating(loader, Participation(), CPU, always=True)  # to count ahead or to resume
-    try:
-        assert always is loader and stage is not None and not stage.participation.replays
-    finally:
-        restore(loader)
 
 
-def test_the_strict_policy_refuses_ranks_that_hold_different_numbers_of_batches_naming_each():
+def test_the_strict_policy_refuses_ranks_that_hold_different_numbers_of_batches_naming_each(monkeypatch):
     loader = DataLoader(range(4), batch_size=2)
     match = (
         r"participation='strict' needs every rank to hold the same number of batches, but they differ in their"
         r" dataloaders \(rank 0: 2, rank 1: 3\)\. Even out the shards, or use participation='pad'"
     )
+    monkeypatch.setattr(epoch, "lengths_of", lambda *args: [2, 3])
     with pytest.raises(ValueError, match=match):
-        participating(loader, Participation("strict"), CPU, lengths=[2, 3])
+        staged(loader, Participation("strict"), CPU)
     assert extension(loader) is None
 
 

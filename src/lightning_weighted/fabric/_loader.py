@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_weighted._compat import set_sampler_epoch
-from lightning_weighted.loaders import EpochBatches, Participation, Policy, without_padding
-from lightning_weighted.loaders.epoch import _strict_message, lengths_of
-from lightning_weighted.loaders.extension import extend, extension, own_length, own_state
+from lightning_weighted.loaders import Participation, Policy, staged, without_padding
+from lightning_weighted.loaders.epoch import lengths_of
+from lightning_weighted.loaders.extension import extend, extension, own_length
 from lightning_weighted.loaders.resume import FORMAT, KEY, Resumed, dataset_length, whole_epoch
 from lightning_weighted.loaders.sampler import dealt_sampler
 
@@ -62,18 +62,11 @@ class FabricLoader:
 
     def __init__(self, loader: Any, policy: Policy, device: torch.device, yielded: Yielded) -> None:
         self.loader, self.device, self.yielded = without_padding(loader), device, yielded
-        self.participation = participation = Participation(policy)
-        lengths = lengths_of(self.loader, device)
-        self.sized = all(n >= 0 for n in lengths)
-        if policy == "strict" and self.sized and len(set(lengths)) > 1:
-            raise ValueError(_strict_message("in their dataloaders", lengths))
-        participation.replays = not self.sized or len(set(lengths)) > 1
-        relength = lambda: lengths_of(self.loader, device, own_length)  # noqa: E731
-        self.stage = stage = EpochBatches(participation, lengths, device, relength=relength)
-        extend(self.loader, stage.iterate, lambda: stage.longest)
+        self.participation = Participation(policy)
+        self.stage = staged(self.loader, self.participation, device)
+        self.sized = all(n >= 0 for n in self.stage.lengths)
         extended = extension(extend(self.loader, self._marked))
         assert extended is not None
-        stage.loader_state = own_state(self.loader)
         extended.state, extended.load = self.place, self.resume
         self._deal: tuple[int, dict[str, Any], int | None] = (1, whole_epoch(), None)  # the pass, deal, items
         self._epochs_before = 0  # the epochs before this process's first pass (a resumed one's)

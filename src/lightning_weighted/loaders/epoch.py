@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_weighted.count import Counts
-from lightning_weighted.loaders.extension import extend
+from lightning_weighted.loaders.extension import extend, own_length, own_state
 
-__all__ = ["EpochBatches", "Participation", "Pass", "Policy", "combined_lengths", "lengths_of", "participating"]
+__all__ = ["EpochBatches", "Participation", "Pass", "Policy", "combined_lengths", "lengths_of", "staged"]
 
 Policy = Literal["pad", "strict"]
 _END = object()
@@ -113,6 +113,7 @@ class EpochBatches:
         self.count: Callable[[Any], Counts] | None = None
         self.loader_state: Callable[[], dict[str, Any]] | None = None
         self.on_length: Callable[[int], None] | None = None
+        self.lengths = lengths  # every rank's, as first gathered
         self.current = self._whole = self._fresh(lengths)  # the pass in progress; a pass from the epoch's start
         self.position = self.passes = 0
         self._resumed: tuple[Pass, dict[str, Any] | None] | None = None
@@ -258,29 +259,22 @@ class EpochBatches:
                 following = fetch()
 
 
-def participating(
-    loader: Any,
-    participation: Participation,
-    device: torch.device,
-    windows: bool = True,
-    lengths: list[int] | None = None,
-    always: bool = False,
-) -> tuple[Any, EpochBatches | None]:
-    """The rank's loader, made to keep yielding until every rank is done where ranks hold unequal data.
+def staged(loader: Any, participation: Participation, device: torch.device, windows: bool = True) -> EpochBatches:
+    """Extends ``loader`` to yield until every rank is done, each pass staged by the :class:`EpochBatches` returned.
 
-    A loader as long on every rank is returned as it is (unless ``always``); a sized one reports the longest rank's
-    length. ``windows``, ``lengths``: as for :class:`EpochBatches` and :func:`lengths_of`. Returns the loader and its
-    :class:`EpochBatches` (``None``: left as it is).
+    Every rank's length is gathered once (:func:`lengths_of`); a sized loader then reports the longest rank's.
+    ``windows``: as for :class:`EpochBatches`. Refuses uneven ranks under ``participation="strict"``.
     """
-    lengths = lengths_of(loader, device) if lengths is None else lengths
+    lengths = lengths_of(loader, device)
     sized = all(n >= 0 for n in lengths)
-    if sized and len(set(lengths)) == 1 and not always:
-        return loader, None
     if participation.policy == "strict" and sized and len(set(lengths)) > 1:
         raise ValueError(_strict_message("in their dataloaders", lengths))
     participation.replays = not sized or len(set(lengths)) > 1
-    stage = EpochBatches(participation, lengths, device, windows)
-    return extend(loader, stage.iterate, None if not sized else lambda: stage.longest or 0), stage
+    relength = lambda: lengths_of(loader, device, own_length)  # noqa: E731  # a pass after a resumed one's
+    stage = EpochBatches(participation, lengths, device, windows, relength)
+    extend(loader, stage.iterate, lambda: stage.longest)
+    stage.loader_state = own_state(loader)
+    return stage
 
 
 def lengths_of(loader: Any, device: torch.device, length: Callable[[Any], int] = len) -> list[int]:

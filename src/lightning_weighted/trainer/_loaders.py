@@ -16,9 +16,9 @@ from lightning_weighted._compat import (
     set_train_batches,
 )
 from lightning_weighted.count import Counts
-from lightning_weighted.loaders import EpochBatches, Participation, Policy, participating, without_padding
-from lightning_weighted.loaders.epoch import _strict_message, combined_lengths, combined_message, lengths_of
-from lightning_weighted.loaders.extension import extend, extension, own_length, own_state, restore
+from lightning_weighted.loaders import EpochBatches, Participation, Policy, staged, without_padding
+from lightning_weighted.loaders.epoch import combined_lengths, combined_message, lengths_of
+from lightning_weighted.loaders.extension import extend, extension, restore
 from lightning_weighted.loaders.resume import FORMAT, KEY, Resumed, dataset_length, whole_epoch
 
 
@@ -72,7 +72,8 @@ class FitLoaders:
         if self._stage_name != "train":
             participation = Participation(self.policy)
             self.evaluation[self._stage_name].append(participation)
-            return self._kept(participating(loader, participation, self.device, windows=False)[0])
+            staged(loader, participation, self.device, windows=False)
+            return self._kept(loader)
         if not self.train_loaders:
             loader = self._train(loader)
         else:
@@ -90,24 +91,18 @@ class FitLoaders:
         resumed, self._resumed = self._resumed, None
         world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
         plan = resumed.plan(loader, world, rank) if resumed is not None else None
-        lengths = lengths_of(loader, self.device)  # as the plan deals it
-        self._lengths = [lengths]
+        if plan is not None and plan.loaded is not None:  # here: Lightning loads no state at an epoch's end
+            loader.load_state_dict(plan.loaded)
+        stage = self.stage = staged(loader, self.train, self.device)  # the lengths as the plan deals them
+        self._lengths = [stage.lengths]
         if resumed is not None and plan is not None:
             self._resumed_epoch = resumed.epoch
             reals = [place["real"] if place is not None else None for place in resumed.places]
-            plan = plan.lengths(lengths, len(resumed.places) == world, reals)
-        if plan is not None and plan.loaded is not None:  # here: Lightning loads no state at an epoch's end
-            loader.load_state_dict(plan.loaded)
-        sized = all(n >= 0 for n in lengths)
-        if self.policy == "strict" and sized and len(set(lengths)) > 1:
-            raise ValueError(_strict_message("in their dataloaders", lengths))
-        self.train.replays = not sized or len(set(lengths)) > 1 or (resumed is not None and resumed.middle)
-        stage = self.stage = EpochBatches(
-            self.train, lengths, self.device, relength=lambda: lengths_of(loader, self.device, own_length)
-        )
-        stage.loader_state, stage.count = own_state(loader), self.count
+            plan = plan.lengths(stage.lengths, len(resumed.places) == world, reals)
+            self.train.replays = self.train.replays or resumed.middle
+        stage.count = self.count
         stage.on_length = lambda batches: set_train_batches(self.trainer, batches)
-        extended = extension(extend(loader, stage.iterate, lambda: stage.longest))
+        extended = extension(loader)
         assert extended is not None
         extended.state = lambda: stage.state_before(stage.position)  # Lightning saves the state of what trained
         if plan is not None:
