@@ -194,6 +194,7 @@ class MatrixModule(LightningModule):
         self.steps: list[dict[str, Any]] = []  # each optimizer step: its global_step and the batches it trained
         self.pending: list[tuple[int, int, list[int], bool]] = []  # since the last step: (epoch, idx, ids, replay)
         self.flags: dict[str, list[tuple[int, int, bool]]] = {"callback": [], "module": []}
+        self.step_at_batch_start = 0
         self.losses_seen: list[float] = []
 
     # -------------------------------------------------------------------------------------------------- training
@@ -235,11 +236,17 @@ class MatrixModule(LightningModule):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
         replay = bool(getattr(self.trainer.strategy, "padding_step", False))
         self.flags["module"].append((self.current_epoch, batch_idx, replay))
+        self.step_at_batch_start = self.global_step
         stop_at = self.options["stop_at"]
         return -1 if stop_at is not None and [self.current_epoch, batch_idx] == list(stop_at) else None
 
     def on_train_epoch_start(self) -> None:
         self.pending = []  # a half window the last epoch dropped trained nothing
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.pending and self.global_step > self.step_at_batch_start:  # a window of no item: no optimizer step
+            self.steps.append({"step": self.step_at_batch_start, "batches": self.pending})
+            self.pending = []
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         if not self.steps or self.steps[-1]["step"] != self.global_step:
