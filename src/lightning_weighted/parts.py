@@ -49,6 +49,9 @@ class Parts:
         self._held: list[tuple[int, Tensor, Tensor]] = []  # each microbatch, its weights' table, its losses
         valid = [valid_count(count) for count in counts]
         on_host = not any(isinstance(n, Tensor) for n in valid)
+        # the microbatches known on the host to hold no item of any part, whose N may still be on the device
+        host_rows = [valid[m * self.count : (m + 1) * self.count] for m in range(self.microbatches)] if on_host else []
+        self._empty = {m for m, row in enumerate(host_rows) if not any(row)}
         if on_host and not isinstance(totals, Tensor) and not any(isinstance(t, Tensor) for t in totals):
             self._host: list[float] | None = cast("list[float]", valid)  # every count and every N a number
             self._scale: list[float] | Tensor = [divisor / t if t > 0 else 0.0 for t in cast("list[float]", totals)]
@@ -72,12 +75,10 @@ class Parts:
     def loss(self, microbatch: int, item_sum: bool, losses: Tensor) -> tuple[float, Tensor]:
         """The factor and loss microbatch ``microbatch`` backpropagates, from its stacked ``losses`` (means or sums).
 
-        ``0.0`` and ``losses`` where no part holds an item: the engine's 0 (the window notes whether it is finite).
+        ``0.0`` and ``losses`` where the host knows no part holds an item: the engine's 0, which cuts their NaN.
         """
-        if self.some_empty and self._host is not None:
-            row = self._host[microbatch * self.count : (microbatch + 1) * self.count]
-            if not any(row):
-                return 0.0, losses
+        if microbatch in self._empty:
+            return 0.0, losses
         weights, factors = self._table(item_sum, losses.dtype)
         self._held.append((microbatch, weights, losses.detach()))
         return 1.0, torch.dot(losses, factors[microbatch])

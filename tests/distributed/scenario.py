@@ -140,10 +140,15 @@ def _items(config: Config, batch: Batch) -> float:
 
 
 def part_means(model: nn.Module, x: Tensor, y: Tensor, w: Tensor) -> dict[str, Tensor]:
-    """Each part's mean over its own items (finite where it has none: a part counted 0 still runs its backward)."""
+    """Each part's mean over its own items: finite where it has none beside another part's (a part counted 0 still
+    runs its backward), 0/0 = NaN where the microbatch is fully masked, as a token mean is."""
     masks, predictions = part_masks(x, w), model(x).squeeze(-1)
     losses = {"tokens": 0.5 * (predictions - y) ** 2, "positive": 0.3 * predictions**2}
-    return {name: (losses[name] * mask).sum() / mask.sum().clamp(min=1) for name, mask in masks.items()}
+    held = w.sum() > 0
+    return {
+        name: (losses[name] * mask).sum() / torch.where(held, mask.sum().clamp(min=1), 0.0)
+        for name, mask in masks.items()
+    }
 
 
 def shared_dataset(config: Config) -> torch.utils.data.TensorDataset:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_weighted.count import FABRIC, TRAINER, Count, Counts, Problem, Wording, read_count, read_counts
+from lightning_weighted.engines.ddp import DDPEngine
 from lightning_weighted.loop import Exchange, WindowLoop, read_output, terms
 from lightning_weighted.payload import Slot, at, window_result
 from lightning_weighted.window import Window
@@ -224,6 +225,36 @@ def test_parts_counted_on_the_host_or_the_device_means_or_sums_each_train_and_lo
     assert [(r.items, r.loss) for r in result.parts.values()] == [
         (float(t), pytest.approx(e, rel=1e-12, nan_ok=True)) for t, e in zip(totals, expected, strict=True)
     ]
+
+
+@pytest.mark.parametrize("totals", [None, [4.0, 2.0]])  # N summed as the window starts (on the device), or brought
+def test_a_microbatch_holding_no_item_of_any_part_contributes_exactly_zero_even_where_its_part_means_are_nan(
+    one_rank, totals
+):
+    # the fully masked microbatch's part means are 0/0, whose backward sends NaN towards the parameters: the engine
+    # cuts it, as it cuts a single loss counted 0
+    w = nn.Parameter(torch.tensor(1.0))
+    model = nn.Module()
+    model.w = w
+    loop = WindowLoop(DDPEngine(model, model), CPU, TRAINER, parts=("text", "image"))  # one rank: no DDP wrapper
+    loop.plan([Counts((3.0, 0.0)), Counts((0.0, 0.0)), Counts((1.0, 2.0))], totals)
+    nothing = torch.zeros(2)
+    means = [(2.0, 0.0), None, (4.0, 1.0)]  # each part's mean (and gradient) at w = 1; None: 0/0 over no item
+    for held in means:
+        if held is None:
+            parts = {name: (w * nothing).sum() / nothing.sum() for name in ("text", "image")}
+        else:
+            parts = {"text": w * held[0], "image": w * held[1]}
+        loop.add(read_output({"loss": parts["text"] + parts["image"], "parts": parts}))
+        loop.backward_loss(None).backward()
+        loop.engine.after_backward()
+    result = loop.finish(step=0)
+    # text: (3 · 2 + 1 · 4) / 4 = 2.5; image: (2 · 1) / 2 = 1
+    assert float(w.grad) == pytest.approx(3.5, abs=1e-12)
+    assert {name: (part.items, part.loss) for name, part in result.parts.items()} == {
+        "text": (4.0, pytest.approx(2.5)),
+        "image": (2.0, pytest.approx(1.0)),
+    }
 
 
 def test_loss_parts_whose_names_differ_from_the_counted_ones_or_that_came_counted_after_fail_the_window(one_rank):
