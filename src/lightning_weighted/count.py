@@ -73,18 +73,18 @@ FABRIC = Wording(
     ahead="fabric.strategy.count_ahead was given for the same microbatch",
 )
 _MESSAGES: dict[Problem, str] = {  # a ValueError each, but for the types of `_TYPES`
-    Problem.NEGATIVE: "a microbatch's count is negative ({value!r})",
-    Problem.NOT_FINITE: "a microbatch's count is not finite ({value!r})",
-    Problem.NOT_A_NUMBER: "a microbatch's count is not a number",
-    Problem.NOT_A_SCALAR: "a microbatch's count is a tensor with more than one element",
-    Problem.NO_LOSS: "{source} None instead of a loss",
-    Problem.NO_GRAPH: "{source} a loss that is not attached to the graph",
-    Problem.FRACTIONAL: "a microbatch's count of examples or tokens is fractional ({value!r})",
+    Problem.NEGATIVE: "a microbatch's count is negative ({value!r}). {fix}",
+    Problem.NOT_FINITE: "a microbatch's count is not finite ({value!r}). {fix}",
+    Problem.NOT_A_NUMBER: "a microbatch's count is not a number. {fix}",
+    Problem.NOT_A_SCALAR: "a microbatch's count is a tensor with more than one element. {fix}",
+    Problem.NO_LOSS: "{source} None instead of a loss. {fix}",
+    Problem.NO_GRAPH: "{source} a loss that is not attached to the graph. {fix}",
+    Problem.FRACTIONAL: "a microbatch's count of examples or tokens is fractional ({value!r}). {fix}",
     Problem.TOO_LARGE: "the window's count reaches 2**53 ({value!r}), where one item no longer changes a float64 sum;"
     " count in coarser units or rescale the sample weights",
     Problem.REDUCTION: "{source} a 'reduction' that is neither 'mean' nor 'sum'; use 'sum' with a loss summed over"
     " the microbatch's items, or leave it out for a mean",
-    Problem.MISSING: "{source} no count",
+    Problem.MISSING: "{source} no count. {fix}",
     Problem.DISAGREES: "{source} a count ({value!r}) that differs from the one {ahead}; make them agree (e.g. the"
     " causal shift, `ignore_index`), or drop one of them",
     Problem.AUX: "{source} an 'aux' that is not a dict of one-element tensors; give each auxiliary term a name:"
@@ -110,10 +110,6 @@ _TYPES: dict[Problem, type[Exception]] = {
     **dict.fromkeys((Problem.NOT_A_NUMBER, Problem.NOT_A_SCALAR, Problem.MISSING, Problem.AUX), TypeError),
     **dict.fromkeys((Problem.NO_LOSS, Problem.NO_GRAPH), RuntimeError),
 }
-_COUNT_FIX = (  # the messages that end with the wording's fix; the others say what to do themselves
-    Problem.NEGATIVE, Problem.NOT_FINITE, Problem.NOT_A_NUMBER, Problem.NOT_A_SCALAR, Problem.NO_LOSS,
-    Problem.NO_GRAPH, Problem.FRACTIONAL, Problem.MISSING,
-)  # fmt: skip
 
 
 class Count(NamedTuple):
@@ -201,16 +197,13 @@ def read_counts(values: Sequence[object], integer: Sequence[bool], host: bool = 
     """Checks one microbatch's count of each part (``values``), each as :func:`read_count` does, ``integer`` a part."""
     counts = [read_count(value, whole, host) for value, whole in zip(values, integer, strict=False)]
     problems = tuple(count.problem for count in counts)
-    if all(problem is None for problem in problems):
-        return Counts(tuple(count.value for count in counts))
-    return Counts(tuple(count.value for count in counts), problems)
+    on_host = all(problem is None for problem in problems)  # every count a valid number
+    return Counts(tuple(count.value for count in counts), None if on_host else problems)
 
 
 def host_items(rows: Sequence[Counts], parts: int = 1) -> list[float]:
     """Each part's sum of the ``rows``' valid counts on the host (a count on a device, or invalid, adds 0 here)."""
-    if not rows:
-        return [0.0] * parts
-    sums = [0.0] * len(rows[0].values)
+    sums = [0.0] * (len(rows[0].values) if rows else parts)
     for row in rows:
         for k, count in enumerate(row.each()):  # every row holds one count a part
             value = valid_count(count)
@@ -252,5 +245,5 @@ def _message(problem: Problem, wording: Wording, value: object = None) -> str:
     what = _MESSAGES[problem]
     if value is None:
         what = what.replace(" ({value!r})", "").replace(" {value!r}", "")
-    text = what.format(value=value, source=wording.source, hooks=wording.hooks, ahead=wording.ahead)
-    return f"{text}. {wording.fix}." if problem in _COUNT_FIX else f"{text}."
+    text = what.format(value=value, source=wording.source, hooks=wording.hooks, ahead=wording.ahead, fix=wording.fix)
+    return f"{text}."

@@ -1,8 +1,7 @@
-"""The loop of windows of one fit or one Fabric loop: a microbatch in, its loss to backpropagate out, one exchange.
+"""The loop of windows of one fit or one Fabric loop: a microbatch's facts in, its loss to backpropagate out.
 
-The front ends (``trainer/``, ``fabric/``) hand it each microbatch's facts as arguments and keep no window rule of
-their own. The objective and the two count paths: :mod:`lightning_weighted.window`; the payload the ranks sum once a
-window: :mod:`lightning_weighted.payload`.
+The objective and the two count paths: :mod:`lightning_weighted.window`; the payload the ranks sum once a window:
+:mod:`lightning_weighted.payload`.
 """
 
 from __future__ import annotations
@@ -160,19 +159,15 @@ class WindowLoop:
         window = self._open(None if replay else output.count)
         self._typical.microbatches += 1
         planned = self._planned.popleft() if self._planned else None
-        if self.parts:  # each counted part's loss, in the counted order (None where one is missing)
-            given = output.parts or {}
-            losses = [given.get(name) for name in self.parts]
-        else:
-            losses = [output.loss]
+        given = output.parts or {}  # each counted part's loss, in the counted order (None where one is missing)
+        losses = [given.get(name) for name in self.parts] if self.parts else [output.loss]
         problem = None if replay else _problem(output, losses, len(self.parts), planned is not None)
         count = planned.part(0) if planned is not None and not self.parts else output.count
         if planned is not None and problem is None and not replay:  # a count given, or counted again, must agree
             if output.count is not None:
                 window.check(output.count, planned.part(0))
-            if recount is not None:
-                for again, planned_count in zip(recount.each(), planned.each(), strict=False):
-                    window.check(again, planned_count, Problem.CHANGED)
+            for again, planned_count in zip(recount.each() if recount else (), planned.each(), strict=False):
+                window.check(again, planned_count, Problem.CHANGED)
         if replay or problem is not None or (count is None and planned is None):
             if not replay:
                 window.reject(problem or Problem.MISSING)
@@ -184,11 +179,11 @@ class WindowLoop:
         parts = window.parts
         weight = window.add(count, losses[0], output.item_sum) if parts is None and count is not None else 0.0
         share = window.aux_factor()  # D / (P M) counted ahead; None counted after, which refuses auxiliary terms
-        if output.aux and share is None:
-            window.reject(Problem.AUX_AFTER)
         aux = None
         if output.aux and share is not None:
             aux = torch.stack(list(output.aux.values())).sum() * share
+        elif output.aux:
+            window.reject(Problem.AUX_AFTER)
         if parts is None:
             factor = window.factor(weight)
             if isinstance(factor, float) and factor == 0 and losses[0] is not None:

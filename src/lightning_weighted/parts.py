@@ -1,9 +1,8 @@
 r"""A window's named loss parts, counted ahead and held as vectors: a fixed number of tensor operations a window.
 
-Microbatch :math:`m` backpropagates :math:`\sum_k f_{mk} \ell_{mk}`, the factors :math:`D w_{mk} / N_k` of
-:meth:`~lightning_weighted.window.Window.factor` (:math:`w` the count of a mean, 1 for a sum over items that holds
-some). The factors are copied to the device once per window, as are each part's items and problems (a replay is
-planned with a count of 0); each part's :math:`\sum_m w_{mk} \ell_{mk}` is summed once per window.
+Microbatch :math:`m` backpropagates :math:`\sum_k f_{mk} \ell_{mk}`, each factor as
+:meth:`~lightning_weighted.window.Window.factor` makes it over its part's :math:`N_k`. The counts, the factors and
+each part's :math:`\sum_m w_{mk} \ell_{mk}` are made once a window.
 """
 
 from __future__ import annotations
@@ -22,10 +21,10 @@ __all__ = ["Parts"]
 
 
 class Parts:
-    """The :math:`K` named parts of one window counted ahead (see the module docstring).
+    """The :math:`K` named parts of one window counted ahead.
 
     Args:
-        rows: each microbatch's counts, one per part.
+        rows: each microbatch's counts, one per part (a replay's are 0).
         totals: each part's :math:`N` (numbers, or still on the device).
         divisor: :math:`D`, what the engine's reduction divides the SUM of the gradients by.
         device: where the gradients live.
@@ -34,8 +33,7 @@ class Parts:
     def __init__(
         self, rows: Sequence[Counts], totals: Sequence[float | Tensor] | Tensor, divisor: int, device: torch.device
     ) -> None:
-        self.count = len(totals)  # K
-        self.microbatches = len(rows)  # M
+        self.count, self.microbatches = len(totals), len(rows)  # K, M
         counts = [count for row in rows for count in row.each()]  # microbatch-major: row m's K counts
         found = [(c.problem, c.value) for c in counts if isinstance(c.problem, Problem)]
         self.problem: tuple[Problem, float] | None = None  # the first problem known on the host
@@ -69,8 +67,7 @@ class Parts:
             if isinstance(count.problem, Tensor):
                 self.checks.append(DeviceCount(_float64(count.value, device), count.problem))
         zero, most = _float64(0.0, device), self.device_items.max()
-        too_large = torch.where(most >= MAX_ITEMS, float(Problem.TOO_LARGE), zero)
-        self.checks.append(DeviceCount(most, too_large))
+        self.checks.append(DeviceCount(most, torch.where(most >= MAX_ITEMS, float(Problem.TOO_LARGE), zero)))
 
     def loss(self, microbatch: int, item_sum: bool, losses: Tensor) -> tuple[float, Tensor]:
         """The factor and loss microbatch ``microbatch`` backpropagates, from its stacked ``losses`` (means or sums).
@@ -104,10 +101,9 @@ class Parts:
             fields[Slot.ITEMS] = fields[Slot.LOCAL] = self.device_items
         if not self._held:
             return fields
-        rows = [m for m, _, _ in self._held]
-        tables = [table for _, table, _ in self._held]
-        losses = torch.stack([loss for _, _, loss in self._held])  # times float64 weights: float64
-        if rows == list(range(self.microbatches)) and all(t is tables[0] for t in tables):  # each microbatch once
+        rows, tables, held = zip(*self._held, strict=True)
+        losses = torch.stack(held)  # times float64 weights: float64
+        if rows == tuple(range(self.microbatches)) and all(t is tables[0] for t in tables):  # each microbatch once
             weights = tables[0]
         else:
             weights = torch.stack([table[m] for m, table in zip(rows, tables, strict=True)])
