@@ -21,7 +21,7 @@ from lightning_weighted._compat import set_sampler_epoch
 from lightning_weighted.loaders import Participation, Policy, staged, without_padding
 from lightning_weighted.loaders.epoch import lengths_of
 from lightning_weighted.loaders.extension import extend, extension, own_length
-from lightning_weighted.loaders.resume import FORMAT, KEY, Resumed, dataset_length, whole_epoch
+from lightning_weighted.loaders.resume import FORMAT, KEY, Places, Resumed
 from lightning_weighted.loaders.sampler import dealt_sampler
 
 
@@ -68,7 +68,7 @@ class FabricLoader:
         extended = extension(extend(self.loader, self._marked))
         assert extended is not None
         extended.state, extended.load = self.place, self.resume
-        self._deal: tuple[int, dict[str, Any], int | None] = (1, whole_epoch(), None)  # the pass, deal, items
+        self.places = Places(self.stage, self.loader)
         self._epochs_before = 0  # the epochs before this process's first pass (a resumed one's)
 
     def _marked(self, batches: Iterator[Any]) -> Iterator[Any]:
@@ -88,17 +88,8 @@ class FabricLoader:
         """The loader's state for ``fabric.save`` (a collective): rank 0's own, beside every rank's place."""
         stage = self.stage
         last = stage.longest is not None and stage.position >= stage.longest
-        deal, segment, items = self._deal
-        if stage.passes != deal:
-            segment, items = whole_epoch(), None
-        length = dataset_length(self.loader)
-        epoch = self._epochs_before + max(stage.passes - 1, 0)
-        mine = {**stage.place(stage.position, last), "epoch": epoch, "last": last}
-        mine.update(segment=segment, items=items or length, dataset=length)
-        ranks: list[Any] = [mine]
-        if dist.is_initialized():
-            ranks = [None] * dist.get_world_size()
-            dist.all_gather_object(ranks, mine)
+        ranks = self.places.gathered(stage.position, last, self._epochs_before + max(stage.passes - 1, 0))
+        mine = ranks[dist.get_rank() if dist.is_initialized() else 0] or {}
         return {**(mine["loader"] or {}), KEY: {"format": FORMAT, "ranks": ranks}}
 
     def resume(self, given: dict[str, Any]) -> dict[str, Any] | None:
@@ -116,11 +107,6 @@ class FabricLoader:
         self._epochs_before = resumed.epoch  # Fabric numbers the epochs by its passes, from 0 in a resumed process
         if sampler is not None:
             sampler.epochs_before = resumed.epoch
-        own = lengths_of(self.loader, self.device, own_length)
-        reals = [place["real"] if place is not None else None for place in resumed.places]
-        plan = plan.lengths(own, len(resumed.places) == world, reals)
-        if plan.first is not None:
-            self.stage.resume(plan.first, plan.loaded)
-        self._deal = (self.stage.passes + 1, plan.segment, plan.items)
+        plan = self.places.resume(resumed, plan, lengths_of(self.loader, self.device, own_length))
         set_sampler_epoch(self.loader, 0)
         return plan.loaded

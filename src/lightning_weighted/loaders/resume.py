@@ -32,10 +32,10 @@ from lightning_weighted._compat import (
     set_litdata_epoch,
     set_sampler_epoch,
 )
-from lightning_weighted.loaders.epoch import Pass
+from lightning_weighted.loaders.epoch import EpochBatches, Pass
 from lightning_weighted.loaders.sampler import dealt_sampler, taken
 
-__all__ = ["FORMAT", "KEY", "PLACE", "Plan", "Resumed", "dataset_length", "whole_epoch"]
+__all__ = ["FORMAT", "KEY", "PLACE", "Places", "Plan", "Resumed", "dataset_length", "whole_epoch"]
 
 KEY = "lightning_weighted"  # the checkpoint's entry
 FORMAT = 1  # what a place holds: its keys (``PLACE``) and their meaning
@@ -161,6 +161,42 @@ class Resumed:
         if litdata_loader(loader):
             return _litdata_plan(loader, places, world, rank)  # type: ignore[arg-type]
         raise ValueError(_NOT_DEALT.format(len(places), world, _OWN.format(type(loader).__name__)))
+
+
+class Places:
+    """A staged loader's places: this rank's for a checkpoint, every rank's gathered, the first pass from them.
+
+    Args:
+        stage: the loader's passes.
+        loader: the loader, whose data set's length a place keeps.
+    """
+
+    def __init__(self, stage: EpochBatches, loader: Any) -> None:
+        self.stage, self.loader = stage, loader
+        self._deal: tuple[int, dict[str, Any], int | None] = (1, whole_epoch(), None)  # the pass, its deal, items
+
+    def gathered(self, trained: int, last: bool, epoch: int) -> list[dict[str, Any] | None]:
+        """Every rank's place, ``trained`` batches of epoch ``epoch`` trained (``last``: all of them); a collective."""
+        passes, segment, items = self._deal
+        if self.stage.passes != passes:  # a pass after the one a plan dealt: the epoch is dealt whole
+            segment, items = whole_epoch(), None
+        length = dataset_length(self.loader)
+        mine = {**self.stage.place(trained, last), "epoch": epoch, "last": last, "segment": segment}
+        mine.update(items=items or length, dataset=length)
+        ranks: list[dict[str, Any] | None] = [mine]
+        if dist.is_initialized():
+            ranks = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, mine)
+        return ranks
+
+    def resume(self, resumed: Resumed, plan: Plan, lengths: list[int]) -> Plan:
+        """Starts the stage's next pass where ``plan`` says, given every rank's plan-less loader ``lengths``."""
+        same = len(resumed.places) == (dist.get_world_size() if dist.is_initialized() else 1)
+        plan = plan.lengths(lengths, same, [place["real"] if place else None for place in resumed.places])
+        if plan.first is not None:
+            self.stage.resume(plan.first, plan.loaded)
+        self._deal = (self.stage.passes + 1, plan.segment, plan.items)
+        return plan
 
 
 def dataset_length(loader: Any) -> int | None:

@@ -19,7 +19,7 @@ from lightning_weighted.count import Counts
 from lightning_weighted.loaders import EpochBatches, Participation, Policy, staged, without_padding
 from lightning_weighted.loaders.epoch import combined_lengths, combined_message, lengths_of
 from lightning_weighted.loaders.extension import extend, extension, restore
-from lightning_weighted.loaders.resume import FORMAT, KEY, Resumed, dataset_length, whole_epoch
+from lightning_weighted.loaders.resume import FORMAT, KEY, Places, Resumed
 
 
 class FitLoaders:
@@ -46,7 +46,7 @@ class FitLoaders:
         self._extended: list[Any] = []
         self._resumed: Resumed | None = None  # where the checkpoint a fit resumes from left every rank
         self._resumed_epoch: int | None = None  # the epoch it resumes, for the other loaders of a CombinedLoader
-        self._deal: tuple[int, dict[str, Any], int | None] = (0, whole_epoch(), None)  # the pass, deal, items dealt
+        self._places: Places | None = None  # the one train loader's places
 
     @property
     def combined(self) -> bool:
@@ -94,24 +94,17 @@ class FitLoaders:
         if plan is not None and plan.loaded is not None:  # here: Lightning loads no state at an epoch's end
             loader.load_state_dict(plan.loaded)
         stage = self.stage = staged(loader, self.train, self.device)  # the lengths as the plan deals them
-        self._lengths = [stage.lengths]
-        if resumed is not None and plan is not None:
-            self._resumed_epoch = resumed.epoch
-            reals = [place["real"] if place is not None else None for place in resumed.places]
-            plan = plan.lengths(stage.lengths, len(resumed.places) == world, reals)
-            self.train.replays = self.train.replays or resumed.middle
+        self._lengths, self._places = [stage.lengths], Places(stage, loader)
         stage.count = self.count
         stage.on_length = lambda batches: set_train_batches(self.trainer, batches)
         extended = extension(loader)
         assert extended is not None
         extended.state = lambda: stage.state_before(stage.position)  # Lightning saves the state of what trained
-        if plan is not None:
-            if plan.first is not None:
-                stage.resume(plan.first, plan.loaded)
+        if resumed is not None and plan is not None:
+            self._resumed_epoch = resumed.epoch
+            self._places.resume(resumed, plan, stage.lengths)
+            self.train.replays = self.train.replays or resumed.middle
             extended.load = lambda given: None  # this rank's own state is loaded already, not rank 0's
-            self._deal = (1, plan.segment, plan.items)
-        else:
-            self._deal = (1, whole_epoch(), None)
         return loader
 
     def _combined(self, loader: Any) -> Any:
@@ -152,20 +145,10 @@ class FitLoaders:
         """
         if progress is None:
             return
-        stage, mine = self.stage, None
-        if stage is not None:
-            trained, last = progress
-            deal, segment, items = self._deal
-            if stage.passes != deal:  # a pass after the one the plan dealt: the epoch is dealt whole
-                segment, items = whole_epoch(), None
-            loader, place = self.train_loaders[0], stage.place(trained, last)
-            length = dataset_length(loader)
-            mine = {**place, "epoch": epoch, "last": last, "segment": segment, "items": items or length}
-            mine["dataset"] = length
-        ranks: list[Any] = [mine]
-        if dist.is_initialized():
-            ranks = [None] * dist.get_world_size()
-            dist.all_gather_object(ranks, mine)
+        if self.stage is not None and self._places is not None:
+            ranks = self._places.gathered(*progress, epoch)
+        else:  # several train loaders, each its own: no place kept
+            ranks = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
         checkpoint[KEY] = {"format": FORMAT, "ranks": ranks}
 
     def load(self, checkpoint: dict[str, Any]) -> None:
