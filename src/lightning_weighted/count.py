@@ -12,7 +12,7 @@ import math
 import numbers
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import IntEnum
 from functools import cache
 from typing import NamedTuple
@@ -46,6 +46,7 @@ class Problem(IntEnum):
     AMBIGUOUS = 15
     PARTS = 16
     PARTS_AFTER = 17
+    PARTS_UNCOUNTED = 18
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,9 @@ class Wording:
     hooks: str = "a transfer hook"  # the hooks that change a batch between the loader and the step
     strategy: str = "a weighted strategy"  # the strategy's name
     ahead: str = "ItemCounter took from the same batch"  # what took a count ahead
+    counter: str = "ItemCounter"  # what counts ahead
+    parts: str = "return `{'loss': total, 'parts': {name: mean, ...}}`"  # how parts are handed over
+    count_parts: str = "`ItemCounter(parts={name: ItemCounter(...), ...})`"  # how each part is counted ahead
 
 
 TRAINER = Wording(
@@ -71,6 +75,9 @@ FABRIC = Wording(
     " microbatch's `n` valid items (or their sum, with `reduction='sum'`) and `n` is their number (or the sum of"
     " their sample weights): an int, a float or a 0-dim tensor, finite and >= 0",
     ahead="fabric.strategy.count_ahead was given for the same microbatch",
+    counter="fabric.strategy.count_ahead",
+    parts="pass `fabric.backward(total, parts={name: mean, ...})`",
+    count_parts="`fabric.strategy.count_ahead({name: [n, ...], ...})`",
 )
 _MESSAGES: dict[Problem, str] = {  # a ValueError each, but for the types of `_TYPES`
     Problem.NEGATIVE: "a microbatch's count is negative ({value!r}). {fix}",
@@ -100,8 +107,10 @@ _MESSAGES: dict[Problem, str] = {  # a ValueError each, but for the types of `_T
     Problem.AMBIGUOUS: "{source} no count for a batch that combines several dataloaders, whose number of examples is"
     " ambiguous (Lightning's batch size is the first loader's). Return `{{'loss': loss, 'count': n}}`, or count with"
     " `ItemCounter('examples')` (every loader's rows) or `ItemCounter(lambda batch: ...)`",
-    Problem.PARTS: "{source} loss parts whose names differ from the parts ItemCounter counts (or no 'parts' where it"
-    " counts several); return `{{'loss': total, 'parts': {{name: mean, ...}}}}` with one mean per counted part",
+    Problem.PARTS: "{source} loss parts whose names differ from the parts {counter} counts (or no 'parts' where it"
+    " counts several); {parts} with one mean per counted part",
+    Problem.PARTS_UNCOUNTED: "{source} loss parts ('parts') where {counter} counts one loss; count each part ahead"
+    " with {count_parts}, or hand over their total as the one loss",
     Problem.PARTS_AFTER: "{source} loss parts ('parts'), each a mean over its own items, whose gradients cannot be"
     " divided by their own counts once they are accumulated together. Count each part ahead: `ItemCounter(parts="
     "{{name: ItemCounter(...), ...}})`, or `fabric.strategy.count_ahead({{name: [n, ...], ...}})` under Fabric",
@@ -245,5 +254,4 @@ def _message(problem: Problem, wording: Wording, value: object = None) -> str:
     what = _MESSAGES[problem]
     if value is None:
         what = what.replace(" ({value!r})", "").replace(" {value!r}", "")
-    text = what.format(value=value, source=wording.source, hooks=wording.hooks, ahead=wording.ahead, fix=wording.fix)
-    return f"{text}."
+    return what.format(value=value, **asdict(wording)) + "."

@@ -273,6 +273,8 @@ def _problem(output: Output, losses: list[Tensor | None], parts: int, ahead: boo
     named = output.parts is not None or parts > 0
     if named and not ahead:
         return Problem.PARTS_AFTER
+    if output.parts is not None and not parts:
+        return Problem.PARTS_UNCOUNTED
     if named and (output.parts is None or len(output.parts) != parts or output.count is not None):
         return Problem.PARTS
     if not all(isinstance(loss, Tensor) for loss in losses):  # as many names as counted: one lost, one new

@@ -104,8 +104,15 @@ def main() -> None:
         metrics = ItemMetrics(strategy.data_parallel_group, fabric.device) if config.metrics else None
         record["metrics"], record["epoch_metrics"] = [], []
         clock = types.SimpleNamespace(current_epoch=0)  # the epoch the loader serves
-        loader = train_loader(config, rank, clock)
-        loader = fabric.setup_dataloaders(loader, use_distributed_sampler=config.items is not None)
+        given = train_loader(config, rank, clock)
+        loader = fabric.setup_dataloaders(given, use_distributed_sampler=config.items is not None)
+        # the attributes of the user's `DataLoader`, which Fabric copies onto what it returns
+        record["loader"] = {
+            "dataset": getattr(loader, "dataset", None) is given.dataset,
+            "sampler": type(getattr(loader, "sampler", None)).__name__,
+            "batch_size": getattr(loader, "batch_size", None),
+            "num_workers": getattr(loader, "num_workers", None),
+        }
         # the mean over the ranks of an integer: 7 items on rank 0 and none on rank 1 (3.5, not Lightning's floor)
         record["mean_of_ints"] = float(fabric.all_reduce(torch.tensor(7 if rank == 0 else 0), reduce_op="mean"))
         if config.count_collectives:

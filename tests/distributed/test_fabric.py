@@ -78,13 +78,18 @@ def test_ranks_with_less_data_keep_stepping_with_replays_and_match_the_reference
 
 @pytest.mark.parametrize("strategy", ENGINES)
 def test_setup_dataloaders_shards_without_padding_so_each_item_counts_once(tmp_path, strategy):
-    # 21 items, batches of 4, 2 ranks: 11 and 10 items; Fabric's own sampler would repeat one item on rank 1
-    config = FabricConfig(strategy=strategy, accumulate=2, items=21, batch_size=4, epochs=2, mode="weights")
+    # 25 items, batches of 4, 2 ranks: 13 and 12 items (4 and 3 batches); Fabric's own sampler would repeat one
+    # item on rank 1
+    config = FabricConfig(strategy=strategy, accumulate=2, items=25, batch_size=4, epochs=2, mode="weights")
     result = fabric_fit(config, tmp_path)
     expected = reference(config)
     assert max_relative_error(result[0]["params"], expected["params"]) < 1e-5
     # float32 weight sums: a repeated item (weights 0.1 to 2.0) would move the total by more than 2e-3
     assert sum(w[1] for w in result[0]["windows"]) == pytest.approx(sum(expected["items"]), rel=1e-6)
+    # the loader Fabric hands back is the user's, with its attributes, where the ranks hold uneven batches
+    for rank in result:
+        sampler = "UnpaddedDistributedSampler"
+        assert rank["loader"] == {"dataset": True, "sampler": sampler, "batch_size": 4, "num_workers": 0}
 
 
 @pytest.mark.parametrize("strategy", ENGINES)

@@ -59,7 +59,7 @@ def test_fabric_builds_the_fsdp1_strategy_from_its_name_and_a_sharding_that_does
     assert isinstance(fabric.strategy, WeightedFabricFSDPStrategy)
     assert fabric.strategy.sharding_strategy.name == "FULL_SHARD"
     assert not fabric.strategy._accumulating  # outside `fabric.no_backward_sync(model)`
-    with pytest.raises(ValueError, match=r"`sharding_strategy='NO_SHARD'` does not shard gradients over every"):
+    with pytest.raises(ValueError, match=r"`sharding_strategy='NO_SHARD'` replicates the model"):
         WeightedFabricFSDPStrategy(sharding_strategy="NO_SHARD")
 
 

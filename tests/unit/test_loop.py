@@ -274,6 +274,28 @@ def test_loss_parts_whose_names_differ_from_the_counted_ones_or_that_came_counte
         after.finish(step=0)
 
 
+@pytest.mark.parametrize(
+    ("wording", "counted", "fix", "not_said"),
+    [
+        (TRAINER, (), "with `ItemCounter(parts={name: ItemCounter(...), ...})`", "differ"),
+        (FABRIC, (), "with `fabric.strategy.count_ahead({name: [n, ...], ...})`", "ItemCounter"),
+        (FABRIC, ("text", "image"), "differ from the parts fabric.strategy.count_ahead counts", "ItemCounter"),
+    ],
+    ids=["trainer-one-count", "fabric-one-count", "fabric-other-names"],
+)
+def test_loss_parts_the_counts_do_not_match_are_refused_with_the_fix_of_the_front_end_that_counted(
+    one_rank, wording, counted, fix, not_said
+):
+    w = nn.Parameter(torch.tensor(1.0))
+    loop = WindowLoop(_Engine(w), CPU, wording, parts=counted)
+    loop.plan([Counts((1.0,) * max(len(counted), 1))])
+    loop.add(read_output({"loss": w * 3.0, "parts": {"text": w * 1.0, "audio": w * 2.0}}))
+    loop.backward_loss(None).backward()
+    with pytest.raises(ValueError) as raised:
+        loop.finish(step=0)
+    assert fix in str(raised.value) and not_said not in str(raised.value), raised.value
+
+
 def test_every_loss_part_must_be_attached_to_the_graph(one_rank):
     w = nn.Parameter(torch.tensor(1.0))
     loop = WindowLoop(_Engine(w), CPU, TRAINER, parts=("text", "image"))

@@ -14,7 +14,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 
 import lightning_weighted
-from lightning_weighted import WeightedFSDPStrategy, WeightedModelParallelStrategy
+from lightning_weighted import WeightedFabricFSDPStrategy, WeightedFSDPStrategy, WeightedModelParallelStrategy
 from lightning_weighted.engines.fsdp2 import FSDP2Engine, shard_blocks
 from lightning_weighted.loop import multiply_gradients
 from lightning_weighted.strategy import data_parallel_group
@@ -36,12 +36,22 @@ def test_trainer_builds_each_sharded_strategy_from_its_name_on_cpu(name):
     assert type(trainer.strategy).__name__ == NAMES[name].__name__  # Lightning's own "fsdp" refuses the CPU
 
 
+@pytest.mark.parametrize("front", ["trainer", "fabric"])
 @pytest.mark.parametrize(
-    ("sharding", "extra"), [("NO_SHARD", {}), ("HYBRID_SHARD", {"device_mesh": (1, 2)})], ids=["no-shard", "hybrid"]
+    ("sharding", "extra", "fix"),
+    [
+        ("NO_SHARD", {}, r"replicates the model.*Use `strategy='ddp_weighted'` for replicated training"),
+        ("HYBRID_SHARD", {"device_mesh": (1, 2)}, r"is hybrid, and FSDP1 takes no communication hook.*'FULL_SHARD'"),
+    ],
+    ids=["no-shard", "hybrid"],
 )
-def test_fsdp1_sharding_strategies_that_take_no_weighted_reduction_are_refused(sharding, extra):
-    with pytest.raises(ValueError, match=rf"`sharding_strategy='{sharding}'` does not shard.*'FULL_SHARD'"):
-        WeightedFSDPStrategy(sharding_strategy=sharding, **extra)
+def test_fsdp1_sharding_strategies_that_take_no_weighted_reduction_are_refused_with_their_own_fix(
+    front, sharding, extra, fix
+):
+    strategy = WeightedFSDPStrategy if front == "trainer" else WeightedFabricFSDPStrategy
+    with pytest.raises(ValueError, match=rf"`sharding_strategy='{sharding}'` {fix}") as refused:
+        strategy(sharding_strategy=sharding, **extra)
+    assert "NO_SHARD" not in str(refused.value) or sharding == "NO_SHARD"
 
 
 def _sharded(policy: object = None, root: bool = True) -> nn.Sequential:

@@ -19,7 +19,21 @@ from torch import Tensor, nn
 from lightning_weighted._compat import flat_parameters, fsdp1_options, fsdp_setup_helpers, reduce_scatter
 from lightning_weighted.engines import FiniteGradients
 
-__all__ = ["FSDP1Engine", "full_state_dict_in_place", "wrapped_on_cpu"]
+__all__ = ["FSDP1Engine", "check_sharding", "full_state_dict_in_place", "wrapped_on_cpu"]
+
+
+def check_sharding(name: str) -> None:
+    """Refuses an FSDP1 ``sharding_strategy`` whose gradients fsdp_weighted cannot reduce, with the fix for each."""
+    if name == "NO_SHARD":
+        raise ValueError(
+            "`sharding_strategy='NO_SHARD'` replicates the model, where fsdp_weighted reduce-scatters sharded"
+            " gradients. Use `strategy='ddp_weighted'` for replicated training, or 'FULL_SHARD' or 'SHARD_GRAD_OP'."
+        )
+    if name not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        raise ValueError(
+            f"`sharding_strategy={name!r}` is hybrid, and FSDP1 takes no communication hook for its hybrid"
+            " strategies, which fsdp_weighted's reduction needs. Use 'FULL_SHARD' or 'SHARD_GRAD_OP'."
+        )
 
 
 class FSDP1Engine(FiniteGradients):

@@ -16,7 +16,7 @@ from typing_extensions import override
 from lightning_weighted._compat import BackwardSyncControl, fsdp1_checkpoints, set_backward_sync_control
 from lightning_weighted.engines import Engine
 from lightning_weighted.engines.ddp import DDPEngine, fp16_backward
-from lightning_weighted.engines.fsdp1 import FSDP1Engine, full_state_dict_in_place, wrapped_on_cpu
+from lightning_weighted.engines.fsdp1 import FSDP1Engine, check_sharding, full_state_dict_in_place, wrapped_on_cpu
 from lightning_weighted.engines.fsdp2 import FSDP2Engine, shard_blocks
 from lightning_weighted.fabric._strategy import WeightedFabricStrategy
 from lightning_weighted.loaders import Policy
@@ -88,12 +88,7 @@ class WeightedFabricFSDPStrategy(WeightedFabricStrategy, FSDPStrategy):
 
     def __init__(self, *args: Any, participation: Policy = "pad", **kwargs: Any) -> None:
         super().__init__(*args, participation=participation, **kwargs)
-        if self.sharding_strategy.name not in ("FULL_SHARD", "SHARD_GRAD_OP"):
-            raise ValueError(
-                f"`sharding_strategy={self.sharding_strategy.name!r}` does not shard gradients over every"
-                " data-parallel rank, which fsdp_weighted's reduction needs. Use 'FULL_SHARD' or 'SHARD_GRAD_OP', or"
-                " `strategy='ddp_weighted'` in place of 'NO_SHARD'."
-            )
+        check_sharding(self.sharding_strategy.name)
         set_backward_sync_control(self, MarkWindow(self.accumulating))
         self._accumulating = False  # inside `fabric.no_backward_sync(model)`
 

@@ -20,7 +20,7 @@ from typing_extensions import override
 from lightning_weighted._compat import augment_message, ddp_kwargs, fsdp1_checkpoints, fsdp1_options, join_enabled
 from lightning_weighted.engines import Engine
 from lightning_weighted.engines.ddp import DDPEngine, fp16_backward
-from lightning_weighted.engines.fsdp1 import FSDP1Engine, full_state_dict_in_place, wrapped_on_cpu
+from lightning_weighted.engines.fsdp1 import FSDP1Engine, check_sharding, full_state_dict_in_place, wrapped_on_cpu
 from lightning_weighted.engines.fsdp2 import FP16_FIX, FSDP2Engine
 from lightning_weighted.loaders import Policy
 from lightning_weighted.strategy import LAUNCHERS, data_parallel_group, every_rank_data_parallel
@@ -103,13 +103,7 @@ class WeightedFSDPStrategy(WeightedTrainerStrategy, FSDPStrategy):
     ) -> None:
         super().__init__(*args, participation=participation, **kwargs)
         self.sync_every_microbatch = sync_every_microbatch
-        if self.sharding_strategy.name in ("NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
-            raise ValueError(
-                f"`sharding_strategy={self.sharding_strategy.name!r}` does not shard gradients over every"
-                " data-parallel rank, which fsdp_weighted's reduction needs (FSDP1 takes no communication hook for"
-                " the hybrid strategies). Use 'FULL_SHARD' or 'SHARD_GRAD_OP', or `strategy='ddp_weighted'` in place"
-                " of 'NO_SHARD'."
-            )
+        check_sharding(self.sharding_strategy.name)
         self._fsdp1: FSDP1Engine | None = None
 
     @override
