@@ -131,12 +131,7 @@ def checkpoint_progress(checkpoint: dict[str, Any]) -> tuple[int, bool]:
 
 
 def set_train_batches(trainer: Any, batches: int) -> None:
-    """Tells the fit loop an epoch's number of train batches (it reads the loader's length once, at setup).
-
-    Where a resumed epoch's length differs from the next one's (dealt over another number of ranks), the next epoch
-    sets it anew as ``setup_data`` sets it: the train ``CombinedLoader``'s limit (``limit_train_batches`` applied),
-    the epoch's batches, and a validation interval given as a fraction of the epoch.
-    """
+    """Tells the fit loop an epoch's number of train batches as ``setup_data`` does (it reads them once, at setup)."""
     from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
     from lightning.pytorch.trainer.states import RunningStage
 
@@ -158,11 +153,7 @@ def set_sampler_epoch(loader: object, epoch: int) -> None:
 
 
 def litdata_resumed(state: dict[str, Any], items: int) -> dict[str, Any]:
-    """A copy of LitData's loader ``state`` that resumes its epoch after ``items`` items of its order.
-
-    LitData's elastic resume (a state of another number of ranks) restripes its order from ``sample_in_epoch``,
-    rounded down to whole batches of every rank; the loader's ``load_state_dict`` reads it.
-    """
+    """LitData's loader ``state`` that resumes after ``items`` of its order (LitData rounds down to whole batches)."""
     resumed = copy.deepcopy(state)
     resumed["dataset"]["sample_in_epoch"] = items
     return resumed
@@ -181,11 +172,11 @@ def set_litdata_epoch(loader: Any, state: dict[str, Any]) -> None:
 def litdata_loader(loader: object) -> bool:
     """Whether ``loader`` is LitData's ``StreamingDataLoader`` over one ``StreamingDataset`` (LitData not imported)."""
     kind, dataset = type(loader), type(getattr(loader, "dataset", None))
-    in_litdata = kind.__module__.startswith("litdata.") and dataset.__module__.startswith("litdata.")
+    loaders = [c.__name__ for c in kind.__mro__ if c.__module__.startswith("litdata.")]
     return (
-        in_litdata
-        and "StreamingDataLoader" in [c.__name__ for c in kind.__mro__]
-        and dataset.__name__ == ("StreamingDataset")
+        "StreamingDataLoader" in loaders
+        and dataset.__module__.startswith("litdata.")
+        and dataset.__name__ == "StreamingDataset"
     )
 
 
@@ -239,17 +230,13 @@ def flat_parameters(module: nn.Module) -> list[Tensor]:
 
 @contextlib.contextmanager
 def fsdp1_checkpoints(full_context: Callable[..., Any] | None = None) -> Iterator[None]:
-    """FSDP1's checkpoints (Fabric's save and load, the Trainer's load) as they work on the CPU and for any optimizer.
+    """FSDP1's checkpoints (Fabric's save and load, the Trainer's load) on the CPU and for any optimizer.
 
-    Each mends one helper those methods call by name, for the length of the block:
-
-    - ``lightning.fabric.strategies.fsdp._get_full_state_dict_context`` offloads to the CPU, which on a CPU model
-      segfaults: ``full_context`` (``None``: not on the CPU) replaces it;
-    - torch's distributed checkpoint drops an empty container, so an optimizer without state (SGD without momentum)
-      loads from a sharded checkpoint without ``"state"``, which ``FSDP.optim_state_dict_to_load`` refuses:
-      ``torch.distributed.checkpoint.optimizer.load_sharded_optimizer_state_dict`` puts an empty one back;
-    - ``lightning.fabric.strategies.model_parallel._rekey_optimizer_state_if_needed`` reads the first key of the
-      state of a full checkpoint's optimizer (``IndexError`` where it has none): one without state is kept as it is.
+    For the block, each helper those methods call by name is mended: Lightning's ``fsdp._get_full_state_dict_context``
+    offloads to the CPU, which segfaults on a CPU model (``full_context`` replaces it; ``None``: not on the CPU);
+    torch's ``load_sharded_optimizer_state_dict`` drops the empty ``"state"`` of an optimizer without state (SGD
+    without momentum), which FSDP1 then refuses (put back); Lightning's ``_rekey_optimizer_state_if_needed`` reads the
+    first key of that state (``IndexError`` where it has none; kept as it is).
     """
     from lightning.fabric.strategies import fsdp, model_parallel
     from torch.distributed.checkpoint import optimizer
