@@ -424,6 +424,13 @@ ROWS: list[Row] = [
         " LitData: it resumes from a whole batch of both ranks (8 items), so rank 0 skips the batch the steps took"
         " past it", options={"layout": "litdata", "batch_size": 4, "drop_last": False, "accumulate": 1,
                              "checkpoint": 3, "resume_from": 3, "first_world": 1}),
+    Row("resume-world-4-to-2", RESUME, "`resume-world-2-to-1` from a checkpoint of 4 ranks (step 1) resumed on 2",
+        options={"layout": "shared", "checkpoint": 1, "resume_from": 1, "first_world": 4, "resume_world": 2},
+        engines=("ddp",)),
+    Row("resume-world-4-to-2-litdata", RESUME, "`resume-world-2-to-1-litdata` from a checkpoint of 4 ranks (step 2)"
+        " resumed on 2", options={"layout": "litdata", "batch_size": 4, "drop_last": False, "accumulate": 1,
+                                   "checkpoint": 2, "resume_from": 2, "first_world": 4, "resume_world": 2},
+        engines=("ddp",)),
     Row("resume-world-size-mid-epoch", RESUME, "a mid-epoch checkpoint of 2 ranks resumed on 1, each rank's own data"
         " in a `StatefulDataLoader` (`use_distributed_sampler=False`)", outcome="refused", message=RESUME_WORLD,
         options={"loader": "stateful", "checkpoint": 2, "resume_from": 2, "resume_world": 1}),
