@@ -1,9 +1,7 @@
-r"""Engines: how one engine's gradient reduction meets a window's counts, one small object each (:class:`Engine`).
+"""Engines: how one engine's gradient reduction meets a window's counts, one small object each (:class:`Engine`).
 
-An empty microbatch's backward runs through its own forward's graph, as under plain DDP, so that every collective of
-the model's backward runs and a sparse gradient stays sparse; its own NaN (0/0 over a fully masked batch) is cut
-from each gradient on its way in, while what a collective brings from the other ranks' losses stays. To add an
-engine, write one file here with such an object and the strategy classes that build it.
+An empty microbatch backpropagates through its own graph, as under plain DDP (every collective runs, a sparse gradient
+stays sparse); its own NaN is cut from each gradient on its way in, but not what collectives bring from other ranks.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """FSDP1 (``FullyShardedDataParallel``): a communication hook SUM-reduce-scatters, an empty microbatch adds zeros.
 
-The hook replaces FSDP1's division by the world size (:math:`D = 1`); under ``no_sync`` it runs once per window, so
-an empty microbatch's own NaN is cut on FSDP1's flat parameters before it accumulates. Sharded strategies only:
-FSDP1 refuses hooks for the hybrid ones, and ``NO_SHARD`` would SUM an accumulated gradient twice.
+The hook replaces FSDP1's division by the world size (:math:`D = 1`) and runs once per window under ``no_sync``, an
+empty microbatch's NaN cut before it accumulates. Sharded only: ``NO_SHARD`` would SUM an accumulated gradient twice.
 """
 
 from __future__ import annotations

@@ -33,15 +33,11 @@ FP16_FIX = (
 
 
 class FSDP2Engine:
-    """The engine of a module sharded with FSDP2, configured by the constructor (after ``fully_shard``).
+    """The engine of a module sharded with FSDP2 (torch 2.9 or later), configured and checked by the constructor.
 
     Args:
         module: the model after ``fully_shard`` (a ``LightningModule`` after ``configure_model``).
         group: the data-parallel group the window's counts are summed over.
-
-    Raises:
-        RuntimeError: torch older than 2.9, which lacks FSDP2 methods the engine calls.
-        ValueError: an unsharded trainable parameter, fp16 computation or reduction, or replicas without shards.
     """
 
     divisor = 1
@@ -113,7 +109,6 @@ class _ZeroingReduceScatter:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: Any, op: Any, async_op: bool = False) -> Any:
-        """Reduce-scatters ``input_tensor`` (this rank's unsharded gradients) into ``output_tensor``."""
         self.engine._zero(input_tensor)
         return reduce_scatter(output_tensor, input_tensor, group, op, async_op)
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from itertools import zip_longest
 from typing import Any, Literal
@@ -28,11 +29,11 @@ from lightning_weighted.strategy import WeightedStrategy
 class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
     """The hooks of a weighted Fabric strategy, each a call into one :class:`~lightning_weighted.loop.WindowLoop`.
 
-    The contract of ``fabric.backward(loss, count=n)``: ``docs/fabric.md``; the ``optimizer.step()`` after a window
-    whose global ``N`` was 0 is skipped. Put before a Fabric strategy, with :meth:`_start` and :meth:`_syncs`.
+    Put before a Fabric strategy, with :meth:`_start`; the contract of ``fabric.backward``: ``docs/fabric.md``.
     """
 
     strategy_name: str
+    _accumulating = False  # inside `fabric.no_backward_sync(model)`, where the strategy marks it (:meth:`_marked`)
 
     def __init__(self, *args: Any, participation: Policy = "pad", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -69,19 +70,27 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
         loop = windows.loop
         named = dict(counts) if isinstance(counts, Mapping) else {"": counts}
         loop.parts = tuple(name for name in named if name)  # the parts this window averages, each over its own N
-        size = max((len(c) for c in named.values()), default=0)
-        replays = self._yielded.replays(size)
+        replays = self._yielded.replays(max((len(c) for c in named.values()), default=0))
         rows = zip_longest(*named.values())  # a shorter part's missing count is not a number
         loop.plan([_read_ahead(row, (integer,) * len(named), bool(r)) for row, r in zip(rows, replays, strict=True)])
         windows.planned = deque(replays)
 
     def _syncs(self, engine: Engine) -> bool:
         """Whether the coming backward reduces gradients across ranks (it does not inside ``no_backward_sync``)."""
-        raise NotImplementedError
+        return not self._accumulating
 
-    def _local(self, engine: Engine, backward: Any) -> Any:
-        """Runs ``backward()`` keeping its gradients local although it would sync: it does not end the window."""
-        return backward()
+    def _local(self, engine: Engine) -> contextlib.AbstractContextManager[Any]:
+        """Keeps a backward's gradients local although it would sync: it does not end the window."""
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _marked(self, enabled: bool) -> Iterator[None]:
+        """Marks the backwards inside it as accumulating (``enabled``) or not, for :meth:`_syncs`."""
+        previous, self._accumulating = self._accumulating, enabled
+        try:
+            yield
+        finally:
+            self._accumulating = previous
 
     @override
     def backward(
@@ -130,10 +139,7 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
         if ends:
             loop.end(more)
         try:
-            if syncs and not ends:
-                backward = super().backward
-                self._local(loop.engine, lambda: backward(scaled, module, *args, **kwargs))
-            else:
+            with self._local(loop.engine) if syncs and not ends else contextlib.nullcontext():
                 super().backward(scaled, module, *args, **kwargs)
         finally:
             loop.engine.after_backward()
@@ -151,8 +157,7 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         windows = self._windows_stepped_by(optimizer)
-        if windows is not None and windows.loop.open:
-            raise RuntimeError(_OPEN.format("optimizer.step()"))
+        _check_closed(windows, "optimizer.step()")
         if windows is not None and windows.skip:
             return None  # a window without items: no parameter, no optimizer state changes
         return super().optimizer_step(optimizer, **kwargs)
@@ -166,12 +171,12 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
         norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
     ) -> Tensor:
-        self._check_closed(module)
+        _check_closed(self._models.get(id(module)), "fabric.clip_gradients")
         return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
 
     @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
-        self._check_closed(module)
+        _check_closed(self._models.get(id(module)), "fabric.clip_gradients")
         super().clip_gradients_value(module, optimizer, clip_val)
 
     @override
@@ -180,8 +185,7 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
 
     @override
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, weights_only: Any = None) -> Any:
-        # Fabric's sharded FSDP loads (FSDP1, FSDP2) put a saved object's state where the object stood, where its
-        # other loads hand it to the object's `load_state_dict`: a loader put in `fabric.save` resumes under all alike
+        # Fabric's sharded FSDP loads put a saved object's state in its place, its others load it into it: here all do
         held = {key: obj for key, obj in state.items() if _holds_state(obj)} if isinstance(state, dict) else {}
         remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         for key, obj in held.items():
@@ -214,11 +218,6 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
             if id(first) in windows.parameters:
                 return windows
         return None
-
-    def _check_closed(self, module: Module) -> None:
-        windows = self._models.get(id(module))
-        if windows is not None and windows.loop.open:
-            raise RuntimeError(_OPEN.format("fabric.clip_gradients"))
 
 
 class _Windows:
@@ -256,6 +255,11 @@ _OPEN = (
     " `fabric.no_backward_sync(model)` or with `window_end=False`), so the gradients are this rank's own. Run the"
     " window's last backward outside `no_backward_sync` (or with `window_end=True`) before clipping and stepping."
 )
+
+
+def _check_closed(windows: _Windows | None, call: str) -> None:
+    if windows is not None and windows.loop.open:
+        raise RuntimeError(_OPEN.format(call))
 
 
 def _holds_state(obj: object) -> bool:

@@ -42,7 +42,6 @@ class WeightedFabricDDPStrategy(WeightedFabricStrategy, DDPStrategy):
     """
 
     strategy_name = "ddp_weighted"
-    # Fabric names a notebook launcher too
     _registered = "Count-weighted Fabric DDP", [*LAUNCHERS, ("ddp_weighted_notebook", {"start_method": "fork"})]
 
     @override
@@ -56,9 +55,8 @@ class WeightedFabricDDPStrategy(WeightedFabricStrategy, DDPStrategy):
         return bool(engine.ddp.require_backward_grad_sync)  # type: ignore[attr-defined]
 
     @override
-    def _local(self, engine: Engine, backward: Any) -> Any:
-        with engine.ddp.no_sync():  # type: ignore[attr-defined]
-            return backward()
+    def _local(self, engine: Engine) -> contextlib.AbstractContextManager[Any]:
+        return engine.ddp.no_sync()  # type: ignore[attr-defined,no-any-return]
 
 
 class MarkWindow(BackwardSyncControl):
@@ -75,12 +73,8 @@ class MarkWindow(BackwardSyncControl):
 class WeightedFabricFSDPStrategy(WeightedFabricStrategy, FSDPStrategy):
     """The weighted Fabric strategy over FSDP1 (``FSDPStrategy``, LitGPT's): ``strategy="fsdp_weighted"``.
 
-    Its hook SUM-reduce-scatters once per window, on the CPU too.
-
-    Args:
-        *args: ``FSDPStrategy``'s arguments; ``sharding_strategy`` ``"FULL_SHARD"`` (default) or ``"SHARD_GRAD_OP"``.
-        participation: as for :class:`~lightning_weighted.WeightedFabricDDPStrategy`.
-        **kwargs: ``FSDPStrategy``'s keyword arguments.
+    Its hook SUM-reduce-scatters once per window, on the CPU too. It takes ``FSDPStrategy``'s arguments, with
+    ``sharding_strategy`` ``"FULL_SHARD"`` (the default) or ``"SHARD_GRAD_OP"``, and ``participation`` as DDP's does.
     """
 
     strategy_name = "fsdp_weighted"
@@ -90,7 +84,6 @@ class WeightedFabricFSDPStrategy(WeightedFabricStrategy, FSDPStrategy):
         super().__init__(*args, participation=participation, **kwargs)
         check_sharding(self.sharding_strategy.name)
         set_backward_sync_control(self, MarkWindow(self.accumulating))
-        self._accumulating = False  # inside `fabric.no_backward_sync(model)`
 
     @override
     def setup_module(self, module: Module) -> Module:
@@ -115,34 +108,21 @@ class WeightedFabricFSDPStrategy(WeightedFabricStrategy, FSDPStrategy):
         return lambda module, world_size, rank0_only=True: full_state_dict_in_place(module, rank0_only)
 
     @override
-    def _syncs(self, engine: Engine) -> bool:
-        return not self._accumulating
-
-    @override
-    def _local(self, engine: Engine, backward: Any) -> Any:
-        with engine.root.no_sync():  # type: ignore[attr-defined]
-            return backward()
+    def _local(self, engine: Engine) -> contextlib.AbstractContextManager[Any]:
+        return engine.root.no_sync()  # type: ignore[attr-defined,no-any-return]
 
     @contextlib.contextmanager
     def accumulating(self, module: Module, enabled: bool) -> Iterator[None]:
         """What ``fabric.no_backward_sync(model, enabled)`` does here: FSDP1's ``no_sync``, marked for the window."""
-        previous, self._accumulating = self._accumulating, enabled
-        try:
-            with module.no_sync() if enabled else contextlib.nullcontext():  # type: ignore[operator]
-                yield
-        finally:
-            self._accumulating = previous
+        with self._marked(enabled), module.no_sync() if enabled else contextlib.nullcontext():  # type: ignore[operator]
+            yield
 
 
 class WeightedFabricModelParallelStrategy(WeightedFabricStrategy, ModelParallelStrategy):
     """The weighted Fabric strategy over FSDP2 (``ModelParallelStrategy``): ``strategy="fsdp2_weighted"``.
 
     Set up the model before its optimizer. FSDP2 SUM-reduces each microbatch; ``no_backward_sync`` only marks windows.
-
-    Args:
-        *args: ``ModelParallelStrategy``'s arguments; ``parallelize_fn`` defaults to ``shard_blocks``.
-        participation: as for :class:`~lightning_weighted.WeightedFabricDDPStrategy`.
-        **kwargs: ``ModelParallelStrategy``'s keyword arguments.
+    Takes ``participation`` and ``ModelParallelStrategy``'s arguments; ``parallelize_fn`` defaults to ``shard_blocks``.
     """
 
     strategy_name = "fsdp2_weighted"
@@ -153,7 +133,6 @@ class WeightedFabricModelParallelStrategy(WeightedFabricStrategy, ModelParallelS
             kwargs.setdefault("parallelize_fn", shard_blocks)
         super().__init__(*args, participation=participation, **kwargs)
         set_backward_sync_control(self, MarkWindow(lambda module, enabled: self.accumulating(enabled)))
-        self._accumulating = False  # inside `fabric.no_backward_sync(model)`
 
     @override
     def setup_environment(self) -> None:
@@ -166,15 +145,6 @@ class WeightedFabricModelParallelStrategy(WeightedFabricStrategy, ModelParallelS
         self._start(FSDP2Engine(module, data_parallel_group(self.device_mesh)), module)
         return module
 
-    @contextlib.contextmanager
-    def accumulating(self, enabled: bool = True) -> Iterator[None]:
+    def accumulating(self, enabled: bool = True) -> contextlib.AbstractContextManager[None]:
         """What ``fabric.no_backward_sync(model, enabled)`` does here: marks backwards that do not end the window."""
-        previous, self._accumulating = self._accumulating, enabled
-        try:
-            yield
-        finally:
-            self._accumulating = previous
-
-    @override
-    def _syncs(self, engine: Engine) -> bool:
-        return not self._accumulating
+        return self._marked(enabled)
