@@ -1,9 +1,8 @@
 """Every private Lightning and PyTorch symbol this package uses, read or set through an accessor, in one place.
 
-Each entry says why no public API serves; where torch moved a symbol, the entry branches here, and only here, on
-:data:`TORCH`; ``tests/unit/test_compat.py`` pins each. What a fit patches: :mod:`lightning_weighted.trainer._seam`;
-the one protected method overridden: ``FSDPStrategy._setup_model``, to wrap a module on the CPU
-(``trainer/strategies.py``).
+Each entry says why no public API serves; where torch moved a symbol, it branches here alone, on :data:`TORCH`;
+``tests/unit/test_compat.py`` pins each. What a fit patches: :mod:`lightning_weighted.trainer._seam`; the one
+protected method overridden: ``FSDPStrategy._setup_model``, to wrap a module on the CPU (``trainer/strategies.py``).
 """
 
 from __future__ import annotations
@@ -171,13 +170,10 @@ def set_litdata_epoch(loader: Any, state: dict[str, Any]) -> None:
 
 def litdata_loader(loader: object) -> bool:
     """Whether ``loader`` is LitData's ``StreamingDataLoader`` over one ``StreamingDataset`` (LitData not imported)."""
-    kind, dataset = type(loader), type(getattr(loader, "dataset", None))
-    loaders = [c.__name__ for c in kind.__mro__ if c.__module__.startswith("litdata.")]
-    return (
-        "StreamingDataLoader" in loaders
-        and dataset.__module__.startswith("litdata.")
-        and dataset.__name__ == "StreamingDataset"
-    )
+    loaders = [c.__name__ for c in type(loader).__mro__ if c.__module__.startswith("litdata.")]
+    dataset = type(getattr(loader, "dataset", None))
+    streaming = dataset.__module__.startswith("litdata.") and dataset.__name__ == "StreamingDataset"
+    return "StreamingDataLoader" in loaders and streaming
 
 
 def trainer_of(module: Any) -> Any:
@@ -232,11 +228,10 @@ def flat_parameters(module: nn.Module) -> list[Tensor]:
 def fsdp1_checkpoints(full_context: Callable[..., Any] | None = None) -> Iterator[None]:
     """FSDP1's checkpoints (Fabric's save and load, the Trainer's load) on the CPU and for any optimizer.
 
-    For the block, each helper those methods call by name is mended: Lightning's ``fsdp._get_full_state_dict_context``
-    offloads to the CPU, which segfaults on a CPU model (``full_context`` replaces it; ``None``: not on the CPU);
-    torch's ``load_sharded_optimizer_state_dict`` drops the empty ``"state"`` of an optimizer without state (SGD
-    without momentum), which FSDP1 then refuses (put back); Lightning's ``_rekey_optimizer_state_if_needed`` reads the
-    first key of that state (``IndexError`` where it has none; kept as it is).
+    Mends, for the block: Lightning's ``fsdp._get_full_state_dict_context``, which offloads to the CPU and segfaults on
+    a CPU model (``full_context`` replaces it; ``None``: not on the CPU); torch's ``load_sharded_optimizer_state_dict``,
+    which drops an optimizer's empty ``"state"`` (SGD without momentum) that FSDP1 refuses (put back); Lightning's
+    ``_rekey_optimizer_state_if_needed``, which reads that state's first key (skipped where it has none).
     """
     from lightning.fabric.strategies import fsdp, model_parallel
     from torch.distributed.checkpoint import optimizer
@@ -297,10 +292,7 @@ def metric_restore(metric: Any, snapshot: tuple[dict[str, Any], int, Any]) -> No
 
 
 def set_sampler(loader: DataLoader[Any], sampler: Any, keep: bool = False) -> None:
-    """Replaces the sampler of a built ``DataLoader`` (whose ``__setattr__`` refuses it), keeping what it set up.
-
-    ``keep``: only in the batch sampler (where ``loader.sampler`` is another, as ``StatefulDataLoader`` holds it).
-    """
+    """Sets a built ``DataLoader``'s sampler, which its ``__setattr__`` refuses; ``keep``: in its batch sampler only."""
     batches: Any = loader.batch_sampler
     if batches is not None:
         batches.sampler = sampler

@@ -2,10 +2,6 @@
 
 No Trainer hook marks a batch in a Fabric loop, so the loader records in :class:`Yielded` whether each batch is a
 replay: a backward belongs to the batch yielded last; a window counted ahead, to the last ones, as many as it counts.
-The loader stays the user's object, its attributes and class name kept (:mod:`lightning_weighted.loaders.extension`).
-A loader with a state of its own (a ``StatefulDataLoader``, LitData's) saved with ``fabric.save`` keeps every rank's
-place beside rank 0's own state, and ``fabric.load`` puts each rank back in its own, on as many ranks or dealt again
-(:mod:`lightning_weighted.loaders.resume`).
 """
 
 from __future__ import annotations
@@ -51,13 +47,8 @@ class FabricLoader:
     """What ``fabric.setup_dataloaders`` makes of one loader: its passes (:class:`EpochBatches`), marked as yielded.
 
     An epoch ends as :mod:`lightning_weighted.loaders.epoch` says, or, unsized in a loop without backward
-    (evaluation), where this rank's data ends. Its :meth:`place` and :meth:`resume` ride the loader's own state.
-
-    Args:
-        loader: the user's loader, extended here.
-        policy: what a rank whose data ran out does.
-        device: where the ranks' lengths are summed.
-        yielded: the strategy's record of the batches yielded last.
+    (evaluation), where this rank's data ends. The user's ``loader`` is extended, its attributes and class name kept;
+    :meth:`place` and :meth:`resume` ride its own state (a ``StatefulDataLoader``'s, LitData's).
     """
 
     def __init__(self, loader: Any, policy: Policy, device: torch.device, yielded: Yielded) -> None:

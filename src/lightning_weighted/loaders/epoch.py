@@ -28,11 +28,7 @@ _END = object()
 
 
 class Participation:
-    """One rank's view of one loader's epoch: how many real batches it holds, and whether every rank is done.
-
-    Args:
-        policy: ``"pad"`` (default): exhausted ranks replay with count 0; ``"strict"`` raises, naming each rank's.
-    """
+    """One rank's view of one loader's epoch: ``"pad"`` replays exhausted ranks with count 0, ``"strict"`` raises."""
 
     def __init__(self, policy: Policy = "pad") -> None:
         if policy not in ("pad", "strict"):
@@ -67,38 +63,20 @@ class Participation:
 
 @dataclass(frozen=True)
 class Pass:
-    """Where one pass over a rank's loader starts and ends, in positions of the epoch (its batches, then replays).
+    """Where one pass over a rank's loader starts and ends, in positions of the epoch (its batches, then replays)."""
 
-    Attributes:
-        start: the first position handed out (past 0 where the pass resumes mid-epoch).
-        first: the position of the first batch the loader yields; those before ``start`` trained already (skipped).
-        real: the position after this rank's last real batch (``None``: unsized, found where the loader ends).
-        longest: the positions of the epoch on the longest rank (``None``: unsized).
-    """
-
-    start: int = 0
-    first: int = 0
-    real: int | None = None
-    longest: int | None = None
+    start: int = 0  # the first position handed out (past 0 where the pass resumes mid-epoch)
+    first: int = 0  # the position of the loader's first batch; those before `start` trained already (skipped)
+    real: int | None = None  # the position after this rank's last real batch (None: unsized, found at its end)
+    longest: int | None = None  # the positions of the epoch on the longest rank (None: unsized)
 
 
 class EpochBatches:
     """Yields a rank's batches of each pass, then replays until every rank is done (see the module docstring).
 
-    Args:
-        participation: the loader's epoch.
-        lengths: every rank's number of batches of a pass from the start (-1: unsized).
-        device: where the collectives' tensors live.
-        windows: windows end an unsized epoch (training); else a one-value all-reduce before each batch does.
-        relength: every rank's number of batches again, asked at the pass after a resumed one (one collective).
-
-    Attributes:
-        count: counts ahead: each part's count of a batch, ``count(batch)``, taken as the batch is fetched.
-        loader_state: the loader's own ``state_dict`` (a ``StatefulDataLoader``'s), or ``None``.
-        on_length: told the epoch's length where a pass's differs from the pass before (a resumed pass's can).
-        position: the position of the next batch handed out.
-        current: the pass in progress.
-        passes: how many passes over the loader began.
+    ``lengths``: every rank's number of batches of a pass from the start (-1: unsized). ``windows``: windows end an
+    unsized epoch (training); else a one-value all-reduce before each batch does. ``relength``: every rank's number of
+    batches again, asked at the pass after a resumed one (one collective).
     """
 
     def __init__(
@@ -110,12 +88,12 @@ class EpochBatches:
         relength: Callable[[], list[int]] | None = None,
     ) -> None:
         self.participation, self.device, self.windows, self.relength = participation, device, windows, relength
-        self.count: Callable[[Any], Counts] | None = None
-        self.loader_state: Callable[[], dict[str, Any]] | None = None
-        self.on_length: Callable[[int], None] | None = None
+        self.count: Callable[[Any], Counts] | None = None  # counts ahead: each part's count, taken as fetched
+        self.loader_state: Callable[[], dict[str, Any]] | None = None  # the loader's own `state_dict`, if any
+        self.on_length: Callable[[int], None] | None = None  # told a pass's length where it differs from the last's
         self.lengths = lengths  # every rank's, as first gathered
         self.current = self._whole = self._fresh(lengths)  # the pass in progress; a pass from the epoch's start
-        self.position = self.passes = 0
+        self.position = self.passes = 0  # the position of the next batch handed out; the passes begun
         self._resumed: tuple[Pass, dict[str, Any] | None] | None = None
         self._source: Iterator[Any] = iter(())
         self._held: deque[Any] = deque()  # batches fetched early, in order
@@ -270,18 +248,14 @@ def staged(loader: Any, participation: Participation, device: torch.device, wind
     if participation.policy == "strict" and sized and len(set(lengths)) > 1:
         raise ValueError(_strict_message("in their dataloaders", lengths))
     participation.replays = not sized or len(set(lengths)) > 1
-    relength = lambda: lengths_of(loader, device, own_length)  # noqa: E731  # a pass after a resumed one's
-    stage = EpochBatches(participation, lengths, device, windows, relength)
+    stage = EpochBatches(participation, lengths, device, windows, lambda: lengths_of(loader, device, own_length))
     extend(loader, stage.iterate, lambda: stage.longest)
     stage.loader_state = own_state(loader)
     return stage
 
 
 def lengths_of(loader: Any, device: torch.device, length: Callable[[Any], int] = len) -> list[int]:
-    """Every rank's number of batches in its ``loader`` (-1 for a loader without a length): one all-reduce.
-
-    ``length``: how a loader's length is read (the one past an extension: ``extension.own_length``).
-    """
+    """Every rank's number of batches in its ``loader``, read by ``length`` (-1: it has none): one all-reduce."""
     try:
         local = length(loader)
     except (TypeError, NotImplementedError):
@@ -292,9 +266,7 @@ def lengths_of(loader: Any, device: torch.device, length: Callable[[Any], int] =
 def combined_lengths(mode: str, lengths: list[list[int]]) -> list[int] | None:
     """Every rank's number of combined batches of a ``CombinedLoader`` in ``mode``; ``None`` if one is unsized.
 
-    ``lengths``: per loader, each rank's number of batches (-1: none).
-
-    Example::
+    ``lengths``: per loader, each rank's number of batches (-1: none). Example::
 
         >>> combined_lengths("max_size_cycle", [[2, 1], [4, 4]]), combined_lengths("min_size", [[2, 1], [4, 4]])
         ([4, 4], [2, 1])

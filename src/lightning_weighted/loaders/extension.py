@@ -28,20 +28,13 @@ Stage = Callable[[Iterator[Any]], Iterator[Any]]
 
 
 class Extension:
-    """What an extended loader runs: its stages, its length, and the states it saves and loads.
-
-    Attributes:
-        stages: what its iteration runs through, in order.
-        length: what replaces its length (where it gives ``None``, its own).
-        state: the state to save instead of its own (of an earlier moment: what was trained), or ``None``.
-        load: what to load instead of a given state (this rank's own); ``None`` from it: load nothing.
-    """
+    """What an extended loader runs: its stages, its length, and the states it saves and loads."""
 
     def __init__(self) -> None:
-        self.stages: list[Stage] = []
-        self.length: Callable[[], int | None] | None = None
-        self.state: Callable[[], dict[str, Any] | None] | None = None
-        self.load: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None
+        self.stages: list[Stage] = []  # what its iteration runs through, in order
+        self.length: Callable[[], int | None] | None = None  # replaces its length (where it gives None: its own)
+        self.state: Callable[[], dict[str, Any] | None] | None = None  # saved in place of its own (what trained)
+        self.load: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None  # loaded instead (None: nothing)
 
 
 def extend(loader: Any, stage: Stage | None = None, length: Callable[[], int | None] | None = None) -> Any:

@@ -1,20 +1,9 @@
 """Every rank's place in its train epoch, kept in a checkpoint, and the first pass of a run resumed from it.
 
-A checkpoint holds, beside Lightning's own state, each rank's place (:meth:`EpochBatches.place`: its position, its
-real batches, its loader's own state) and the deal of the epoch it stands in. A run resumed on as many ranks puts every
-rank back in its own place: its loader's state (a ``StatefulDataLoader``'s, LitData's), or without one the batches
-before it skipped; each sampler's epoch is set before the loader is iterated (Lightning sets it after). On another
-number of ranks, no item the checkpoint's steps trained is trained again in that epoch, and the rest is dealt over the
-new ranks:
-
-- through the sampler Lightning inserts (:class:`~lightning_weighted.UnpaddedDistributedSampler`): the ranks take the
-  epoch's order in turn, as many items each a step, so what they took is a prefix of it, whose length the places give;
-  the rest is dealt from there (:meth:`~lightning_weighted.UnpaddedDistributedSampler.deal_from`);
-- LitData's ``StreamingDataset`` deals its own order again from a number of items (its elastic resume): handed the
-  items the steps took, it restripes the rest, each rank's batches as LitData deals them.
-
-Every other train loader holds each rank's own data, which no rule deals again: such a resume is refused on every
-rank, before any step. The epochs after a resumed one are dealt whole over the ranks of the run.
+On as many ranks, each rank resumes in its own place: its loader's state, or without one the batches before it
+skipped. On another number of ranks, no item the checkpoint's steps trained is trained again in that epoch: the rest
+is dealt over the new ranks by :class:`~lightning_weighted.UnpaddedDistributedSampler` or by LitData's elastic resume;
+any other train loader holds each rank's own data, and such a resume is refused on every rank before any step.
 """
 
 from __future__ import annotations
@@ -51,21 +40,13 @@ PLACE = ("epoch", "last", "position", "real", "at", "loader", "segment", "items"
 
 @dataclass(frozen=True)
 class Plan:
-    """What a resumed rank does first: its first pass, the loader state it loads, the deal that pass continues.
+    """What a resumed rank does first: its first pass, the loader state it loads, the deal that pass continues."""
 
-    Attributes:
-        first: its first pass (``None``: a whole epoch).
-        loaded: the loader state it loads in place of the one Lightning gives every rank (``None``: none).
-        segment: the deal of the epoch the pass continues (see :class:`Resumed`).
-        items: this rank's items in that deal, where LitData deals them (``None``: its shard's length).
-        shares: every rank's real batches in a pass LitData deals (its loader's length counts the whole epoch).
-    """
-
-    first: Pass | None = None
-    loaded: dict[str, Any] | None = None
-    segment: dict[str, Any] = field(default_factory=whole_epoch)
-    items: int | None = None
-    shares: list[int] | None = None
+    first: Pass | None = None  # None: a whole epoch
+    loaded: dict[str, Any] | None = None  # loaded in place of the state Lightning gives every rank
+    segment: dict[str, Any] = field(default_factory=whole_epoch)  # the deal the pass continues (see `Resumed`)
+    items: int | None = None  # this rank's items in that deal where LitData deals them (None: its shard's length)
+    shares: list[int] | None = None  # every rank's real batches in a pass LitData deals (its length counts the epoch)
 
     def lengths(self, own: list[int], same: bool, reals: list[int | None]) -> Plan:
         """The plan with its first pass's end, given every rank's loader length ``own`` (-1: unsized).
@@ -75,7 +56,6 @@ class Plan:
         """
         if self.first is None:
             return self
-        start, first, real = self.first.start, self.first.first, self.first.real
         if same:
             origin = self.segment["start"]
             longest: int | None = None
@@ -83,10 +63,10 @@ class Plan:
                 if [n + origin for n in own] != reals:
                     raise ValueError(_LENGTHS.format([r - origin for r in reals if r is not None], own))
                 longest = max(r for r in reals if r is not None)
-            return replace(self, first=Pass(start, first, real, longest))
-        shares = self.shares if self.shares is not None else own
+            return replace(self, first=replace(self.first, longest=longest))
+        shares, start = self.shares if self.shares is not None else own, self.first.start
         rank = dist.get_rank() if dist.is_initialized() else 0
-        return replace(self, first=Pass(start, first, start + shares[rank], start + max(shares)))
+        return replace(self, first=replace(self.first, real=start + shares[rank], longest=start + max(shares)))
 
 
 @dataclass(frozen=True)
@@ -96,16 +76,11 @@ class Resumed:
     A place's ``segment`` is the deal the epoch was in: from which position (``start``) its ranks took the order
     after its first ``consumed`` items (``stream``: the items of LitData's order). ``items`` is the rank's number of
     items in that deal, ``dataset`` its data set's length.
-
-    Attributes:
-        places: one per rank of the run that took the checkpoint (``None``: a rank without a place).
-        epoch: the epoch the resumed run trains first.
-        middle: the checkpoint stands in the middle of an epoch (some batch of it trained, not the last).
     """
 
-    places: list[dict[str, Any] | None]
-    epoch: int
-    middle: bool
+    places: list[dict[str, Any] | None]  # None: a rank without a place
+    epoch: int  # the epoch the resumed run trains first
+    middle: bool  # some batch of that epoch trained, not the last
 
     @classmethod
     def read(cls, saved: Any, progress: tuple[int, bool], epoch: int) -> Resumed | None:
@@ -164,12 +139,7 @@ class Resumed:
 
 
 class Places:
-    """A staged loader's places: this rank's for a checkpoint, every rank's gathered, the first pass from them.
-
-    Args:
-        stage: the loader's passes.
-        loader: the loader, whose data set's length a place keeps.
-    """
+    """A staged loader's places: this rank's for a checkpoint, every rank's gathered, the first pass from them."""
 
     def __init__(self, stage: EpochBatches, loader: Any) -> None:
         self.stage, self.loader = stage, loader
@@ -202,8 +172,7 @@ class Places:
 def dataset_length(loader: Any) -> int | None:
     """The length of ``loader``'s data set (``None``: unsized)."""
     try:
-        length: int = len(loader.dataset)
-        return length
+        return len(loader.dataset)
     except (AttributeError, TypeError, NotImplementedError):
         return None
 

@@ -55,11 +55,7 @@ class UnpaddedDistributedSampler(DistributedSampler[T]):
         return list(range(self.total_size))
 
     def deal_from(self, epoch: int, consumed: int) -> None:
-        """Deals epoch ``epoch`` from item ``consumed`` of its order on: the items before it trained already.
-
-        A run resumed mid-epoch on another number of ranks deals what is left of the epoch over its own ranks; the
-        epochs after it are dealt whole.
-        """
+        """Deals epoch ``epoch`` from item ``consumed`` of its order on (those before trained); later epochs whole."""
         self.set_epoch(epoch)
         self.dealt = (epoch, consumed)
 

@@ -27,10 +27,6 @@ class FitLoaders:
 
     Where ranks hold unequal batches they replay; the one train loader is counted ahead, keeps every rank's place in a
     checkpoint, and resumes from one (:mod:`lightning_weighted.loaders.resume`).
-
-    Args:
-        policy: what a rank whose data ran out does (``"pad"`` or ``"strict"``).
-        device: where the ranks' lengths are summed.
     """
 
     def __init__(self, policy: Policy, device: torch.device) -> None:
@@ -139,10 +135,7 @@ class FitLoaders:
         return ahead
 
     def save(self, checkpoint: dict[str, Any], progress: tuple[int, bool] | None, epoch: int) -> None:
-        """Puts every rank's place in the train epoch ``epoch`` into ``checkpoint`` (a collective).
-
-        ``progress``: how many batches of the epoch trained, and whether the last one did (``None``: no fit).
-        """
+        """Saves every rank's place in ``checkpoint`` (a collective), ``progress`` of ``epoch`` trained (or None)."""
         if progress is None:
             return
         if self.stage is not None and self._places is not None:
