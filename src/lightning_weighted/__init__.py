@@ -33,9 +33,7 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-WeightedDDPStrategy.register_strategies(StrategyRegistry)
-WeightedModelParallelStrategy.register_strategies(StrategyRegistry)
-WeightedFSDPStrategy.register_strategies(StrategyRegistry)
-WeightedFabricDDPStrategy.register_strategies(_FABRIC_STRATEGIES)
-WeightedFabricModelParallelStrategy.register_strategies(_FABRIC_STRATEGIES)
-WeightedFabricFSDPStrategy.register_strategies(_FABRIC_STRATEGIES)
+for _trainer_strategy in (WeightedDDPStrategy, WeightedModelParallelStrategy, WeightedFSDPStrategy):
+    _trainer_strategy.register_strategies(StrategyRegistry)
+for _fabric_strategy in (WeightedFabricDDPStrategy, WeightedFabricModelParallelStrategy, WeightedFabricFSDPStrategy):
+    _fabric_strategy.register_strategies(_FABRIC_STRATEGIES)

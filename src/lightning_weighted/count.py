@@ -1,9 +1,7 @@
 """A microbatch's count: what a valid one is, how it is read and checked, and the one error every rank raises.
 
-A count is the number of valid items behind a microbatch's loss (or the sum of their sample weights): an int, a
-float or a one-element tensor, finite and >= 0, and a whole number where items are counted (examples, tokens). A
-number is checked on the host. A tensor is checked where it lives, and the answer stays there: a float64 code of its
-:class:`Problem` (0 where it is valid), read on the host only once the window ends.
+A number is checked on the host; a tensor where it lives, the answer staying there as a float64 :class:`Problem` code
+(0: valid), read on the host only once the window ends.
 """
 
 from __future__ import annotations
@@ -132,19 +130,16 @@ class Count(NamedTuple):
 def read_count(value: object, integer: bool = False, host: bool = False) -> Count:
     """Checks a count: on the host for a number, on its device for a tensor (nothing is read back).
 
-    Args:
-        value: an int, a float or a one-element tensor.
-        integer: whether the count must be a whole number (examples, tokens).
-        host: read a tensor on the host (a count taken from a batch before it moves to the device).
+    ``integer``: the count must be a whole number (examples, tokens); ``host``: read a tensor on the host (a count
+    taken from a batch before it moves to the device).
     """
     if isinstance(value, Tensor):
         if value.numel() != 1:
             return Count(math.nan, Problem.NOT_A_SCALAR)
         if value.dtype == torch.bool or value.is_complex():
             return Count(math.nan, Problem.NOT_A_NUMBER)
-        if host:
-            return read_count(value.item(), integer)
-        return _read_on_device(value, integer)
+        return read_count(value.item(), integer) if host else _read_on_device(value, integer)
+
     if isinstance(value, bool) or not isinstance(value, numbers.Real):  # True is an int, but no count
         return Count(math.nan, Problem.NOT_A_NUMBER)
     number = float(value)
@@ -161,9 +156,7 @@ def _read_on_device(value: Tensor, integer: bool) -> Count:
     """A one-element tensor's count as a float64 0-dim tensor, and its problem's code beside it, on its device."""
     n = value.reshape(()) if value.dim() else value
     n = (n.detach() if n.requires_grad else n).double()
-    # n's interval among -inf | [-max, 0) | [0, inf) | inf (NaN lies past them all) names its problem: two operations
-    # where comparisons and selections take four (measured on this CPU: 3.6 µs a count where they take 18 µs)
-    edges, codes = _problem_table(n.device)
+    edges, codes = _problem_table(n.device)  # two operations where comparisons take four (3.6 µs a count, not 18)
     problem = codes.take(torch.searchsorted(edges, n, right=True))
     if integer and value.is_floating_point():  # the first failing check wins
         problem = torch.where((problem == 0) & (n != n.floor()), float(Problem.FRACTIONAL), problem)
@@ -239,10 +232,9 @@ def problem_error(rows: Sequence[Sequence[float]], wording: Wording = TRAINER) -
     kinds = {problem for _, problem, _ in found}
     if len(found) == 1:
         rank, problem, value = found[0]
-        quoted = None
-        if "{value!r}" in _MESSAGES[problem]:  # a whole number quoted as an int (`-29`, not `-29.0`)
-            quoted = int(value) if abs(value) < 2**53 and value.is_integer() else value
+        quoted = int(value) if abs(value) < 2**53 and value.is_integer() else value  # `-29`, not `-29.0`
         return _TYPES.get(problem, ValueError)(f"on rank {rank}, {_message(problem, wording, quoted)}")
+
     if len(kinds) == 1:
         problem = kinds.pop()
         return _TYPES.get(problem, ValueError)(f"on {len(found)} ranks, {_message(problem, wording)}")

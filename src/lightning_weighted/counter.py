@@ -29,16 +29,9 @@ def count_examples(batch: Any) -> int:
 def count_tokens(
     batch: Any, key: str | int, *, ignore_index: int = -100, mask: bool = False, shift: bool = False
 ) -> Tensor:
-    """The valid tokens of a batch: labels that are not ``ignore_index``, or the ones of a 0/1 mask.
+    """The valid tokens of ``batch[key]``: labels that are not ``ignore_index``, or (``mask``) the ones of a 0/1 mask.
 
-    Args:
-        batch: a dict or a tuple holding the labels (or the mask).
-        key: where the labels or mask sit: a dict key or a tuple index.
-        ignore_index: the label that marks a token the loss ignores.
-        mask: whether ``batch[key]`` is a 0/1 mask rather than labels.
-        shift: count ``labels[..., 1:]``, the targets of a causal LM (the loss's own denominator).
-
-    Example::
+    ``shift`` counts ``labels[..., 1:]``, the targets of a causal LM (the loss's own denominator)::
 
         >>> count_tokens({"labels": torch.tensor([[5, 7, 9], [5, 6, -100]])}, "labels", shift=True)  # [7, 9], [6]
         tensor(3)
@@ -56,11 +49,7 @@ def count_weights(batch: Any, key: str | int) -> Tensor:
 def count_documents(batch: Any, key: str | int = "position_ids") -> int | Tensor:
     """The documents of a packed batch: where ``position_ids`` restart at 0, or the spans of ``cu_seq_lens``.
 
-    Args:
-        batch: a dict or a tuple holding the positions or the boundaries.
-        key: where they sit; a key with ``cu_seq_lens`` in its name holds cumulative lengths ``[0, l_0, ...]``.
-
-    Example::
+    A ``key`` with ``cu_seq_lens`` in its name holds cumulative lengths ``[0, l_0, ...]``. Example::
 
         >>> count_documents({"position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])})  # 3 documents
         tensor(3)
@@ -140,10 +129,9 @@ class ItemCounter(Callback):
         return count_tokens(batch, self.key, ignore_index=self.ignore_index, mask=self.mask, shift=self.shift)
 
     def counts(self, batch: Any, host: bool = False, combined: bool = False) -> Counts:
-        """Each part's count of the microbatch ``batch``, checked together (one, without parts).
+        """Each part's count of ``batch`` (one, without parts), checked together.
 
-        ``host``: read the counts on the host (a batch the loader yielded, before it moves). ``combined``: the batch
-        combines several loaders' batches, each counted by a preset.
+        ``host``: read on the host (a batch the loader yielded); ``combined``: several loaders' batches, presets each.
         """
         counters = self.parts.values() or (self,)
         values = [c._combined(batch) if combined else c.count_of(batch) for c in counters]

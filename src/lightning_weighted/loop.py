@@ -1,8 +1,4 @@
-"""The loop of windows of one fit or one Fabric loop: a microbatch's facts in, its loss to backpropagate out.
-
-The objective and the two count paths: :mod:`lightning_weighted.window`; the payload the ranks sum once a window:
-:mod:`lightning_weighted.payload`.
-"""
+"""The windows of one fit or Fabric loop: a microbatch's facts in, its loss to backpropagate out (math: ``window``)."""
 
 from __future__ import annotations
 
@@ -61,10 +57,7 @@ def terms(given: object) -> tuple[dict[str, Tensor] | None, bool]:
 
 
 class Exchange:
-    """A window's payload summed over ``group``, started at once without waiting; read on the host once.
-
-    Where a rank found a problem, every rank learns which in one more collective: a healthy window costs the SUM.
-    """
+    """A window's payload summed over ``group`` (one SUM; one more collective if a rank found a problem), read once."""
 
     def __init__(
         self,
@@ -103,14 +96,7 @@ class Exchange:
 
 
 class WindowLoop:
-    """The windows of one fit or one Fabric loop, over one engine (see the module docstring).
-
-    Args:
-        engine: how the engine's reduction meets the counts (:mod:`lightning_weighted.engines`).
-        device: where the gradients live.
-        wording: how errors name the call that handed over the loss and its count.
-        parts: the names of the loss parts, counted ahead into one window as vectors; ``()``: one loss.
-    """
+    """The windows of one fit or Fabric loop over one engine; ``parts``: the loss parts' names (``()``: one loss)."""
 
     def __init__(self, engine: Engine, device: torch.device, wording: Wording, parts: Sequence[str] = ()) -> None:
         self.engine, self.device, self.wording, self.parts = engine, device, wording, tuple(parts)
@@ -134,10 +120,7 @@ class WindowLoop:
     def plan(
         self, rows: Sequence[Counts], totals: Sequence[float | Tensor] | Tensor | None = None
     ) -> Sequence[float | Tensor] | Tensor:
-        """Counts the next window ahead: each microbatch's counts and each part's N (``totals``, else one SUM now).
-
-        Returns the N (a vector on the device where they were summed now).
-        """
+        """Counts the next window ahead; returns each part's N (``totals``, else one SUM now, left on the device)."""
         if self._window is not None:
             raise RuntimeError("a window's counts were handed over while a window is open: once per window, first")
         if totals is None:
@@ -149,12 +132,10 @@ class WindowLoop:
         return totals
 
     def add(self, output: Output, replay: bool = False, recount: Counts | None = None) -> None:
-        """Records one microbatch: its loss factor, or its problem, in the window.
+        """Records one microbatch's loss factor, or its problem, in the window.
 
-        Args:
-            output: what the microbatch handed over.
-            replay: it replays a batch of a rank whose data ran out: it contributes nothing.
-            recount: counted ahead, each part's count of the batch the step received, which must agree with the plan.
+        ``replay``: it replays a batch of a rank whose data ran out, and contributes nothing; ``recount``: counted
+        ahead, each part's count of the batch the step received, which must agree with the plan.
         """
         window = self._open(None if replay else output.count)
         self._typical.microbatches += 1
@@ -185,16 +166,13 @@ class WindowLoop:
         elif output.aux:
             window.reject(Problem.AUX_AFTER)
         if parts is None:
-            factor = window.factor(weight)
-            if isinstance(factor, float) and factor == 0 and losses[0] is not None:
-                window.empty(losses[0])  # it backpropagates all the same; whether its loss is finite is checked
-            self._loss = (factor, None, aux)
-            return
-        microbatch = parts.microbatches - len(self._planned) - 1
-        factor, loss = parts.loss(microbatch, output.item_sum, torch.stack(losses))  # type: ignore[arg-type]
-        if factor == 0:  # no part holds an item: as above
-            window.empty(loss)
-        self._loss = (factor, loss, aux)
+            factor, loss = window.factor(weight), losses[0]
+        else:
+            microbatch = parts.microbatches - len(self._planned) - 1
+            factor, loss = parts.loss(microbatch, output.item_sum, torch.stack(losses))  # type: ignore[arg-type]
+        if isinstance(factor, float) and factor == 0 and loss is not None:  # no item (of any part)
+            window.empty(loss)  # it backpropagates all the same; whether its loss is finite is checked
+        self._loss = (factor, None if parts is None else loss, aux)
 
     def _open(self, count: Count | None) -> Window:
         """The window in progress (a new one, counted after, where none is)."""
@@ -227,24 +205,20 @@ class WindowLoop:
         """A zero loss for a microbatch that cannot be weighted; raises where the engine needs the model's graph."""
         if self.engine.needs_graph:
             what = "None" if loss is None else "a loss that is not attached to the graph"
-            raise RuntimeError(_NEEDS_GRAPH.format(dist.get_rank(), self.wording.source, what, self.wording.strategy))
+            raise RuntimeError(
+                f"On rank {dist.get_rank()}, {self.wording.source} {what}. Under {self.wording.strategy} every rank"
+                " runs each microbatch's backward through the sharded model, whose collectives the other ranks wait in:"
+                " give the loss of the model's forward (with a count of 0 for a microbatch that holds no item)."
+            )
         return self.engine.empty(loss)
 
     def end(self, more: bool, next_items: Sequence[float] = ()) -> None:
-        """Starts the window's exchange, right before the backward that ends it, so that the two overlap.
-
-        Args:
-            more: whether this rank holds real batches after the window.
-            next_items: counted ahead, this rank's items of each part in the next window.
-        """
+        """Starts the window's exchange (:func:`payload`) right before the backward that ends it, to overlap them."""
         if self._exchange is None:
             self._exchange = Exchange([self._open(None)], more, self.device, self.engine.group, next_items)
 
     def finish(self, step: int, more: bool = True, next_items: Sequence[float] = ()) -> WindowResult:
-        """Ends the window after its last backward: brings ``N`` to the gradients and decides, on every rank alike.
-
-        A window that ran no backward leaves its gradients as they are; ``more`` and ``next_items`` as for :meth:`end`.
-        """
+        """Ends the window after its last backward (if any): brings N to the gradients, decides on every rank alike."""
         self.end(more, next_items)
         window, exchange, backward = self._window, self._exchange, self._backward
         self._window, self._planned, self._exchange, self._backward = None, deque(), None, False
@@ -325,24 +299,20 @@ class TypicalCount:
 
     def __init__(self, mean_sized: bool) -> None:
         self.mean_sized, self.microbatches = mean_sized, 0
-        self._value: float | Tensor | None = None if mean_sized else 1.0
-
-    @property
-    def value(self) -> float | Tensor:
-        """:math:`c` of the window in progress."""
-        return 1.0 if self._value is None else self._value
+        self.value: float | Tensor = 1.0  # c of the window in progress
+        self._known = not mean_sized  # whether c was taken from a count yet
 
     def take(self, count: Count | None, device: torch.device, group: dist.ProcessGroup | None) -> None:
         """Notes a window's first microbatch (its count, at the first window of mean-sized losses)."""
-        if self._value is None:
+        if not self._known:
             first = torch.zeros((), dtype=torch.float64, device=device) + valid_count(count)
             dist.all_reduce(first, op=dist.ReduceOp.MAX, group=group)
-            self._value = torch.where(first > 0, first, 1.0)
+            self.value, self._known = torch.where(first > 0, first, 1.0), True
 
     def after(self, items: float, ranks: int) -> None:
         """Takes the next window's :math:`c` from the window that ended with ``items``."""
         if self.mean_sized and items > 0:
-            self._value = items / (ranks * max(self.microbatches, 1))
+            self.value, self._known = items / (ranks * max(self.microbatches, 1)), True
         self.microbatches = 0
 
 
@@ -363,10 +333,3 @@ def _check_nan_empty(engine: Engine, ranks: int, device: torch.device) -> None:
         " counted: divide by `n.clamp(min=1)` (`max(n, 1)`), return the sum with `'reduction': 'sum'`, or use"
         " `F.cross_entropy(..., ignore_index=-100)`, whose gradient is then 0."
     )
-
-
-_NEEDS_GRAPH = (
-    "On rank {}, {} {}. Under {} every rank runs each microbatch's backward through the sharded model, whose"
-    " collectives the other ranks wait in: give the loss of the model's forward (with a count of 0 for a microbatch"
-    " that holds no item)."
-)

@@ -26,14 +26,10 @@ _ROLE = "ItemMonitor logs the windows of"  # the opening of the error of a strat
 class ItemMetrics:
     """The weighted objective of each optimizer step, from its window's result: a plain object, for a Fabric loop.
 
-    :meth:`update` takes each ``strategy.last_window``; :meth:`compute` returns the last one's values to log:
+    :meth:`update` takes each ``strategy.last_window``; :meth:`compute` returns the last one's values to log by the
+    names of ``docs/fabric.md`` (``train/loss`` absent where ``N = 0``; a part's ``train/loss/<part>`` and
+    ``train/items/<part>``); :meth:`end_epoch` returns ``train/loss_epoch``; a checkpoint keeps :attr:`items_total`.
 
-    - ``train/loss`` (absent where ``N = 0``), ``train/items`` (``N``) and ``train/items_local`` (this rank's items),
-      each part's as ``train/loss/<part>`` and ``train/items/<part>``;
-    - ``train/items_per_sec``: ``N`` over the window's wall time (where :meth:`update` was given it);
-    - ``train/imbalance`` (one MAX all-reduce) and ``train/aux/<name>``, each auxiliary term's mean (one SUM).
-
-    :meth:`end_epoch` returns ``train/loss_epoch``; :attr:`items_total`, every ``N`` summed, is what a checkpoint keeps.
 
     Args:
         group: the data-parallel ranks (``strategy.data_parallel_group``; ``None``: every rank).
@@ -67,13 +63,9 @@ class ItemMetrics:
         aux: Mapping[str, Tensor] | None = None,
         microbatches: int = 1,
     ) -> None:
-        """Takes the result of the window that just ended.
+        """Takes ``strategy.last_window`` once its last backward returned, and its wall time ``elapsed`` in seconds.
 
-        Args:
-            window: ``strategy.last_window``, once the window's last backward returned.
-            elapsed: the window's wall time in seconds (``None``: no ``train/items_per_sec``).
-            aux: each auxiliary term summed over this rank's microbatches of the window (a replay adds nothing).
-            microbatches: the window's microbatches on this rank, replays included.
+        ``aux``: each auxiliary term summed over this rank's ``microbatches`` of the window (replays add nothing to it).
         """
         self._window, self._elapsed, self._aux, self._microbatches = window, elapsed, aux or {}, microbatches
         self.items_total += window.items
@@ -82,10 +74,7 @@ class ItemMetrics:
             self._epoch[1] += window.items
 
     def compute(self, collectives: bool = True) -> dict[str, float | Tensor]:
-        """The values of the last window (nothing before the first), by the names they are logged under.
-
-        ``collectives``: add ``train/imbalance`` and ``train/aux/<name>`` (one all-reduce each: every rank calls).
-        """
+        """The last window's values by logged name; ``collectives``: with the all-reduced ones (every rank calls)."""
         window = self._window
         if window is None:
             return {}
@@ -144,9 +133,6 @@ class ItemMonitor(Callback):
 
     The loss and the rate show in the progress bar; ``train/imbalance`` and the ``"aux"`` terms ``training_step``
     returns only on the steps Lightning logs. Every value is global (no ``sync_dist``); :attr:`items_total` is saved.
-
-    Args:
-        imbalance: log ``train/imbalance``.
     """
 
     def __init__(self, imbalance: bool = True) -> None:

@@ -1,9 +1,4 @@
-r"""A window's named loss parts, counted ahead and held as vectors: a fixed number of tensor operations a window.
-
-Microbatch :math:`m` backpropagates :math:`\sum_k f_{mk} \ell_{mk}`, each factor as
-:meth:`~lightning_weighted.window.Window.factor` makes it over its part's :math:`N_k`. The counts, the factors and
-each part's :math:`\sum_m w_{mk} \ell_{mk}` are made once a window.
-"""
+"""A window's named loss parts (the math: ``window``), counted ahead and held as vectors: fixed tensor work a window."""
 
 from __future__ import annotations
 
@@ -21,13 +16,10 @@ __all__ = ["Parts"]
 
 
 class Parts:
-    """The :math:`K` named parts of one window counted ahead.
+    """The :math:`K` named parts of one window counted ahead: their counts, factors and losses, made once a window.
 
-    Args:
-        rows: each microbatch's counts, one per part (a replay's are 0).
-        totals: each part's :math:`N` (numbers, or still on the device).
-        divisor: :math:`D`, what the engine's reduction divides the SUM of the gradients by.
-        device: where the gradients live.
+    ``rows``: each microbatch's counts, one per part (a replay's are 0); ``totals``: each part's :math:`N` (numbers,
+    or still on the device); ``divisor``: :math:`D`.
     """
 
     def __init__(
@@ -47,9 +39,8 @@ class Parts:
         self._held: list[tuple[int, Tensor, Tensor]] = []  # each microbatch, its weights' table, its losses
         valid = [valid_count(count) for count in counts]
         on_host = not any(isinstance(n, Tensor) for n in valid)
-        # the microbatches known on the host to hold no item of any part, whose N may still be on the device
         host_rows = [valid[m * self.count : (m + 1) * self.count] for m in range(self.microbatches)] if on_host else []
-        self._empty = {m for m, row in enumerate(host_rows) if not any(row)}
+        self._empty = {m for m, row in enumerate(host_rows) if not any(row)}  # no item of any part (N may be on device)
         if on_host and not isinstance(totals, Tensor) and not any(isinstance(t, Tensor) for t in totals):
             self._host: list[float] | None = cast("list[float]", valid)  # every count and every N a number
             self._scale: list[float] | Tensor = [divisor / t if t > 0 else 0.0 for t in cast("list[float]", totals)]
@@ -70,10 +61,7 @@ class Parts:
         self.checks.append(DeviceCount(most, torch.where(most >= MAX_ITEMS, float(Problem.TOO_LARGE), zero)))
 
     def loss(self, microbatch: int, item_sum: bool, losses: Tensor) -> tuple[float, Tensor]:
-        """The factor and loss microbatch ``microbatch`` backpropagates, from its stacked ``losses`` (means or sums).
-
-        ``0.0`` and ``losses`` where the host knows no part holds an item: the engine's 0, which cuts their NaN.
-        """
+        """The factor and loss of microbatch ``microbatch`` (``0.0`` and ``losses`` where the host knows it empty)."""
         if microbatch in self._empty:
             return 0.0, losses
         weights, factors = self._table(item_sum, losses.dtype)

@@ -1,8 +1,4 @@
-"""A window's payload: the float64 vector every rank adds into in one all-reduce, its fields, and what it sums to.
-
-float64 counts every item exactly up to 2**53 (bfloat16 stops at 256). Three fields are shared; each other field holds
-one value per loss part, so that one SUM carries every part.
-"""
+"""A window's payload: the float64 vector (exact to 2**53 items) every rank adds into in one all-reduce, and its sum."""
 
 from __future__ import annotations
 

@@ -1,25 +1,21 @@
 r"""One rank's accumulation window: each microbatch's count in, its loss factor out, and the window's payload.
 
-The objective of one optimizer step, over ranks :math:`r` and the microbatches :math:`m` of its accumulation
-window, each holding :math:`n_{rm}` valid items whose mean gradient is :math:`\bar g_{rm}`:
+The objective of one optimizer step, over ranks :math:`r` and the microbatches :math:`m` of its accumulation window,
+each holding :math:`n_{rm}` valid items whose mean gradient is :math:`\bar g_{rm}`:
 
 .. math::
 
     N = \sum_r \sum_m n_{rm}, \qquad g = \frac{1}{N} \sum_r \sum_m n_{rm}\, \bar g_{rm}.
 
-With named loss parts, each part :math:`k` is a mean over its own items and the gradient is that of
-:math:`\sum_k \frac{1}{N_k} \sum_{r,m} n_{krm} \bar\ell_{krm}`: the window holds the :math:`K` counts of each
-microbatch as one vector (:class:`Parts`), and a part whose :math:`N_k` is 0 contributes nothing.
+With named loss parts (:class:`Parts`), each part :math:`k` a mean over its own items, the gradient is that of
+:math:`\sum_k \frac{1}{N_k} \sum_{r,m} n_{krm} \bar\ell_{krm}`; a part whose :math:`N_k` is 0 contributes nothing.
 
-The engine's reduction divides the SUM of the ranks' gradients by :math:`D` (:math:`P`, the number of ranks, for an
-average such as DDP's; 1 for a SUM). Each microbatch's loss is multiplied by the factor :meth:`Window.factor` returns,
-one of two ways (the **two count paths**):
+The engine's reduction divides the SUM of the ranks' gradients by :math:`D` (:math:`P` ranks for an average such as
+DDP's; 1 for a SUM). Each microbatch's loss is multiplied by :meth:`Window.factor`, one of the **two count paths**:
 
-- **counts ahead** (the window's :math:`N` is known before its first forward): the factor is :math:`D\,n/N`, and
-  the reduction's result is :math:`g` itself;
-- **counts after** (known only once each forward has run): the factor is :math:`n/c`, for a constant :math:`c` the
-  same on every rank, and the loop multiplies the reduced gradients by :math:`D\,c/N` once the window's counts are
-  summed.
+- **counts ahead** (:math:`N` known before the first forward): :math:`D\,n/N`; the reduction's result is :math:`g`;
+- **counts after** (known once each forward has run): :math:`n/c`, for a constant :math:`c` the same on every rank;
+  the loop multiplies the reduced gradients by :math:`D\,c/N` once the window's counts are summed.
 
 Worked trace: ``w = 10``, per-item loss :math:`\tfrac12 (w - y)^2`; rank 0 holds targets ``[9, 9]`` (``n = 2``, mean
 gradient 1), rank 1 holds ``[7] * 6`` (``n = 6``, mean gradient 3). :math:`g = (2 \cdot 1 + 6 \cdot 3) / 8 = 2.5`,
@@ -52,12 +48,8 @@ MOST_HELD = 64  # a window holds at most this many losses (or device counts) bef
 class Window:
     """One rank's account of one accumulation window: one loss, or the :class:`Parts` counted ahead.
 
-    Args:
-        scale: counts after: :math:`c`, what each loss is divided by beside being multiplied by its count.
-        total: counts ahead: the window's :math:`N` (a number, or still on the device), summed before it started.
-        divisor: counts ahead: :math:`D`, what the engine's reduction divides the SUM of the gradients by.
-        microbatches: counts ahead: :math:`P M`, every rank's microbatches of the window (:meth:`aux_factor`).
-        parts: the window's named loss parts, counted ahead (their counts, factors and losses, as vectors).
+    Counted after, ``scale`` is :math:`c`; counted ahead, ``total`` is :math:`N` (a number, or still on the device),
+    ``divisor`` :math:`D`, ``microbatches`` :math:`P M` (:meth:`aux_factor`), and ``parts`` the named loss parts.
 
     Example (rank 1 of the worked trace, counted after)::
 
@@ -91,16 +83,10 @@ class Window:
         return self.total is not None or self.parts is not None
 
     def add(self, count: Count, loss: Tensor | None = None, item_sum: bool = False) -> float | Tensor:
-        """Records one microbatch; returns its weight, :math:`n` (1 for an item sum; ``0.0``: it contributes nothing).
-
-        Args:
-            count: the microbatch's count (counted ahead: the one the window's ``N`` holds).
-            loss: the microbatch's loss, kept detached for the window's loss (never read on the host).
-            item_sum: whether ``loss`` is a sum over the items rather than their mean.
-        """
+        """Records one microbatch (``loss`` held detached); returns its weight, :math:`n` (1 for an item sum; or 0)."""
         n, problem = count.value, count.problem
         if isinstance(problem, Problem):
-            self.reject(problem, n if isinstance(n, float) else math.nan)
+            self.reject(problem, n)
             return 0.0
         if isinstance(n, Tensor) or isinstance(problem, Tensor):
             return self._add_on_device(n, problem, loss, item_sum)
@@ -152,7 +138,7 @@ class Window:
         """Records ``problem`` where a count taken again differs from the planned one (a tensor, on its device)."""
         if isinstance(planned.problem, Problem) or isinstance(given.problem, Problem):
             if not isinstance(planned.problem, Problem) and isinstance(given.problem, Problem):
-                self.reject(given.problem, given.value if isinstance(given.value, float) else math.nan)
+                self.reject(given.problem, given.value)
             return
         tensor = given.value if isinstance(given.value, Tensor) else planned.value
         if isinstance(tensor, Tensor):  # compared on the device
@@ -181,10 +167,10 @@ class Window:
         """Notes whether an empty microbatch's loss, backpropagated all the same, is finite (``NAN_EMPTY``)."""
         _add(self._device, Slot.NAN_EMPTY, (~torch.isfinite(loss.detach())).any().double(), torch.maximum)
 
-    def reject(self, problem: Problem, value: float = math.nan) -> None:
-        """Records a microbatch that cannot be weighted; the window reports its first problem."""
+    def reject(self, problem: Problem, value: float | Tensor = math.nan) -> None:
+        """Records a microbatch that cannot be weighted; the window reports its first problem (a tensor as NaN)."""
         if self.problem is None:
-            self.problem = (problem, value)
+            self.problem = (problem, math.nan if isinstance(value, Tensor) else value)
 
     def problem_row(self, device: torch.device) -> Tensor:
         """``[problem, value]`` of this rank's first problem (``[0, 0]``: none), on ``device``."""
@@ -276,19 +262,12 @@ def payload(windows: Sequence[Window], more: bool, device: torch.device, next_it
     zeros = [0.0] * count
     # the host's values, by Slot: MORE, NAN_EMPTY, INVALID, then each part's ITEMS, NEXT, LOSS and LOCAL
     on_host = [float(more), 0.0, float(invalid), *items, *(next_items or zeros), *zeros, *items]
-    layout: list[tuple[Slot, int]] = []  # the device's values: each one's field and window (-1: every part's values)
-    added: list[Tensor] = []
-    if parts is not None:  # a vector of every part's values each
-        for slot, values in parts.device_fields(windows[0].empty).items():
-            layout.append((slot, -1))
-            added.append(values.to(device))
-    scalars = []
-    for k, window in enumerate(windows):
-        for slot, value in window.device_fields().items():
-            layout.append((slot, k))
-            scalars.append(value.to(device))
+    vectors = parts.device_fields(windows[0].empty) if parts is not None else {}  # every part's values each
+    scalars = [(slot, k, value) for k, window in enumerate(windows) for slot, value in window.device_fields().items()]
+    layout = [(slot, -1) for slot in vectors] + [(slot, k) for slot, k, _ in scalars]  # -1: every part's values
+    added = [values.to(device) for values in vectors.values()]
     if scalars:
-        added.append(torch.stack(scalars))
+        added.append(torch.stack([value.to(device) for _, _, value in scalars]))
     vector = host_tensor(on_host, device)
     if added:  # the device's values added into their places in one operation
         values = added[0] if len(added) == 1 else torch.cat(added)
@@ -296,9 +275,7 @@ def payload(windows: Sequence[Window], more: bool, device: torch.device, next_it
     return vector
 
 
-# Made once a layout, on the device: 0.2 µs a window where building it takes 8 µs (measured on this CPU); a copy to
-# a GPU each window would also wait for the device's queued work.
-@cache
+@cache  # once a layout, on the device: 0.2 µs a window where building it takes 8 µs, and no copy waits for the device
 def _positions(layout: tuple[tuple[Slot, int], ...], parts: int, device: torch.device) -> Tensor:
     """Where the device's values of a payload of ``parts`` parts go, each given as its field and window."""
     positions: list[int] = []
