@@ -78,11 +78,7 @@ class BatchState:
 
 
 class Seam:
-    """The touches of one weighted fit, over its loop of windows and its loaders (see the module docstring).
-
-    Args:
-        loaders: the fit's loaders, whose participations tell which batches are replays.
-        begin_train: begins the train batch Lightning numbers ``batch_idx``.
+    """The touches of one weighted fit (see the module docstring); ``begin_train(batch_idx)`` begins a train batch.
 
     Attributes:
         batch: the batch in progress.
@@ -167,7 +163,7 @@ class Seam:
 
 
 class _Batches(Callback):
-    """Where each batch of a weighted fit begins, before every other hook sees it (:data:`BATCHES`)."""
+    """Where each batch begins, before every other hook sees it (:data:`BATCHES`); a test batch as a validation one."""
 
     def __init__(self, seam: Seam) -> None:
         self.seam = seam
@@ -178,43 +174,30 @@ class _Batches(Callback):
     def on_validation_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        self._begin("val", batch_idx, dataloader_idx)
-
-    def on_test_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        self._begin("test", batch_idx, dataloader_idx)
-
-    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.seam.batch = BatchState()
-
-    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._end("val", pl_module)
-
-    def on_test_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._end("test", pl_module)
-
-    def _begin(self, stage: str, batch_idx: int, dataloader_idx: int) -> None:
-        loaders = self.seam.loaders.evaluation[stage]
+        loaders = self.seam.loaders.evaluation["test" if trainer.testing else "val"]
         participation = loaders[dataloader_idx] if dataloader_idx < len(loaders) else None
         replays = participation is not None and participation.replays
         replay = replays and participation is not None and participation.replay(batch_idx)
         self.seam.batch = BatchState(batch_idx, replay, replays, loader=dataloader_idx)
 
-    def _end(self, stage: str, module: LightningModule) -> None:
+    on_test_batch_start = on_validation_batch_start
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.seam.batch = BatchState()
+
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.seam.batch = BatchState()
         if self.seam.evaluation is not None:
-            self.seam.evaluation.log(stage, module)
+            self.seam.evaluation.log("test" if trainer.testing else "val", pl_module)
+
+    on_test_epoch_end = on_validation_epoch_end
 
 
 class EvaluationLoss:
     """The item mean of the loss each ``validation_step`` or ``test_step`` returns, over every rank (``val/loss``).
 
-    Args:
-        device: where the losses live.
-        group: the ranks that see different data.
-        counted: the training count rule: each part's count of a step's output and batch.
-        parts: the names of the loss parts (``()``: one loss).
+    ``counted`` is the training count rule (each part's count of a step's output and batch); ``parts`` are the names
+    of the loss parts (``()``: one loss).
     """
 
     def __init__(
@@ -249,8 +232,7 @@ class EvaluationLoss:
             values = {f"{stage}/loss/{p}{suffix}": r.loss for p, r in result.parts.items()}
             values[f"{stage}/loss{suffix}"] = result.loss
             for name, value in values.items():
-                if value == value:  # a part without items this epoch logs nothing (NaN)
-                    # already global: the max of equal values is the value itself, exactly, on any number of ranks
+                if value == value:  # a part without items (NaN) logs nothing; the value is global, its max exact
                     module.log(name, loggable(value, module), reduce_fx="max", sync_dist=True, batch_size=1,
                                add_dataloader_idx=False)  # fmt: skip
         self.windows = {}
@@ -271,11 +253,6 @@ def patched(target: Any, **methods: Callable[..., Any]) -> Iterator[None]:
                 delattr(target, name)
             else:
                 setattr(target, name, value)
-
-
-def logs_ignored(module: LightningModule) -> contextlib.AbstractContextManager[None]:
-    """``self.log`` and ``self.log_dict`` of the module do nothing for the length of the block (the audit re-run)."""
-    return patched(module, log=lambda *args, **kwargs: None, log_dict=lambda *args, **kwargs: None)
 
 
 def _log_nothing(log: Callable[..., None], name: str, value: Any, *args: Any, **kwargs: Any) -> None:

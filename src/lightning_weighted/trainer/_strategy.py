@@ -164,8 +164,7 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
     def optimizer_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], model: LightningModule | Module | None = None, **kw: Any
     ) -> Any:
-        # `closure` runs the window's last training step and backward, after which the window ends: a window without
-        # items steps no optimizer (nor its hooks, nor clipping). LBFGS runs the closure itself, again and again.
+        # a window without items steps no optimizer (nor its hooks, nor clipping); LBFGS runs the closure itself
         windows = self._windows
         if isinstance(optimizer, torch.optim.LBFGS):
             return super().optimizer_step(optimizer, lambda: windows.last_batch(closure), model, **kw)
@@ -183,10 +182,9 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        module = self.lightning_module
-        trainer = module.trainer if module is not None else None
-        progress = train_progress(trainer) if trainer is not None else None
-        self._loaders.save(checkpoint, progress, trainer.current_epoch if trainer is not None else 0)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        progress, epoch = (train_progress(trainer), trainer.current_epoch) if trainer is not None else (None, 0)
+        self._loaders.save(checkpoint, progress, epoch)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -205,11 +203,7 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
 
 
 class TrainWindows:
-    """A fit's train windows: where each batch begins (its place, its replay, its window's plan) and each ends.
-
-    Counted ahead, a window's end counts the next window's batches (:meth:`facts`) and its exchange brings their
-    ``N``, which the next window's plan takes where its pass and size are the ones counted.
-    """
+    """A fit's train windows: where each batch begins (its place, its replay, its window's plan) and each ends."""
 
     def __init__(self, loaders: FitLoaders) -> None:
         self.loaders, self.seam = loaders, Seam(loaders, self.begin)
@@ -217,7 +211,7 @@ class TrainWindows:
         self.loop: WindowLoop | None = None  # set at setup
         self.ahead = False  # each window's counts are taken from its batches ahead
         self._first = (0, 0)  # the pass in progress, and its first `batch_idx`
-        self._next: tuple[int, int, list[float] | None] | None = None  # the next window's pass, size and N
+        self._next: tuple[int, int, list[float] | None] | None = None  # counted ahead: the next window's pass, size, N
 
     def begin(self, batch_idx: int) -> None:
         """Begins a train batch, before the callbacks' and the module's hooks see it."""
@@ -274,10 +268,7 @@ class TrainWindows:
 
 
 def _rules(trainer: Trainer, name: str) -> tuple[ItemCounter | None, bool, Wording]:
-    """The fit's ``ItemCounter``, whether ``training_step`` fetches its own batches, and how errors name the fit.
-
-    Refuses what cannot be weighted, on every rank alike.
-    """
+    """Refuses what cannot be weighted; else the ``ItemCounter``, whether ``training_step`` fetches, the wording."""
     module = trainer.lightning_module
     if not module.automatic_optimization:
         raise MisconfigurationException(_MANUAL.format(type(module).__name__, name))

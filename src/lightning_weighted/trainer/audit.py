@@ -25,7 +25,7 @@ from lightning_weighted.count import TRAINER, Count
 from lightning_weighted.loop import read_output
 from lightning_weighted.monitor import imbalance
 from lightning_weighted.strategy import WeightedStrategy
-from lightning_weighted.trainer._seam import logs_ignored
+from lightning_weighted.trainer._seam import patched
 from lightning_weighted.trainer._strategy import WeightedTrainerStrategy
 
 __all__ = ["AuditReport", "ObjectiveAudit", "ObjectiveMismatchError", "is_audit_rerun", "relative_error", "spread"]
@@ -140,11 +140,9 @@ class ObjectiveAudit(Callback):
         # Every microbatch of a window runs at the same `global_step`; the window is cleared when it steps.
         if self.every_n_steps is None or trainer.global_step % self.every_n_steps != 0:
             return
-        rng = [torch.get_rng_state()]
-        if pl_module.device.type == "cuda":
-            rng.append(torch.cuda.get_rng_state(pl_module.device))
+        cuda = [torch.cuda.get_rng_state(pl_module.device)] if pl_module.device.type == "cuda" else []
         padding = isinstance(trainer.strategy, WeightedStrategy) and trainer.strategy.padding_step
-        self._window.append(Microbatch(batch, batch_idx, rng, padding))
+        self._window.append(Microbatch(batch, batch_idx, [torch.get_rng_state(), *cuda], padding))
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
@@ -193,9 +191,8 @@ class ObjectiveAudit(Callback):
         param_sum = sum(float(param.double().sum()) for param in params)
         param_squares = sum(float(param.double().square().sum()) for param in params)
         checksums = [param_sum, param_squares, actual.sum(), actual.square().sum()]
-        local = torch.tensor(
-            [sum(items), *checksums, error, actual.norm(), expected.norm()], dtype=torch.float64, device=device
-        )
+        row = [sum(items), *checksums, error, actual.norm(), expected.norm()]
+        local = torch.tensor(row, dtype=torch.float64, device=device)
         rows = local.unsqueeze(0)
         if distributed:
             gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
@@ -305,9 +302,9 @@ def flat(tensors: Sequence[Tensor | None], like: Sequence[Tensor]) -> Tensor:
 
 @contextlib.contextmanager
 def _rerun_step(pl_module: LightningModule) -> Iterator[None]:
-    """Marks the re-run for :func:`is_audit_rerun`; its ``self.log`` calls do nothing (no double logging)."""
+    """Marks the re-run for :func:`is_audit_rerun`; its ``self.log`` and ``self.log_dict`` calls do nothing."""
     global _rerunning
-    with logs_ignored(pl_module):
+    with patched(pl_module, log=lambda *args, **kwargs: None, log_dict=lambda *args, **kwargs: None):
         _rerunning = True
         try:
             yield
@@ -349,9 +346,8 @@ class Targets:
 
             summoned = FullyShardedDataParallel.summon_full_params(self.root, writeback=False, with_grads=gradients)
         with summoned:
-            values = [getattr(owner, name) for owner, name in self.owners]
-            if gradients:
-                values = [value.grad for value in values]
+            params = [getattr(owner, name) for owner, name in self.owners]
+            values = [param.grad for param in params] if gradients else params
             return [None if value is None else _whole(value.detach()) for value in values]
 
 

@@ -35,7 +35,6 @@ class WeightedDDPStrategy(WeightedTrainerStrategy, DDPStrategy):
     Args:
         *args: ``DDPStrategy``'s arguments (a ``ddp_comm_hook`` of yours must average over the ranks, as torch's do).
         participation: ``"pad"``: a rank out of data steps with count 0 until every rank is done; ``"strict"``: raise.
-        **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy`'s keyword arguments.
 
     Example::
 
@@ -92,7 +91,6 @@ class WeightedFSDPStrategy(WeightedTrainerStrategy, FSDPStrategy):
         *args: ``FSDPStrategy``'s arguments; ``sharding_strategy`` ``"FULL_SHARD"`` (default) or ``"SHARD_GRAD_OP"``.
         participation: as for :class:`~lightning_weighted.WeightedDDPStrategy`.
         sync_every_microbatch: reduce-scatter every microbatch (as FSDP2 does), holding no unsharded gradient.
-        **kwargs: ``FSDPStrategy``'s keyword arguments.
     """
 
     strategy_name = "fsdp_weighted"
@@ -175,7 +173,6 @@ class WeightedModelParallelStrategy(WeightedTrainerStrategy, ModelParallelStrate
     Args:
         *args: ``ModelParallelStrategy``'s arguments; ``data_parallel_size`` defaults to every rank not tensor-parallel.
         participation: as for :class:`~lightning_weighted.WeightedDDPStrategy`.
-        **kwargs: ``ModelParallelStrategy``'s keyword arguments.
     """
 
     strategy_name = "fsdp2_weighted"
