@@ -22,6 +22,7 @@ WORKER = Path(__file__).parent / "exit_worker.py"
 RUNS = 4  # per path; with the abort back, the four backward runs would all pass once in six (0.65 ** 4)
 
 
+@pytest.mark.repeat
 @pytest.mark.parametrize("path", ["window", "backward"])
 def test_processes_exit_cleanly_right_after_the_last_collective(path: str) -> None:
     command = [sys.executable, str(WORKER), "--path", path]
