@@ -203,15 +203,15 @@ def test_a_pass_after_a_resumed_one_takes_every_ranks_length_again_and_says_wher
 
 def test_a_staged_loader_is_the_same_object_and_a_shorter_one_reports_the_longest(monkeypatch):
     loader = DataLoader(range(4), batch_size=2)
-    even = staged(loader, Participation(), CPU)  # one process: every rank alike, its batches as they are
+    same, even = staged(loader, Participation(), CPU)  # one process: every rank alike, its batches as they are
     try:
-        assert extension(loader) is not None and not even.participation.replays
+        assert same is loader and extension(loader) is not None and not even.participation.replays
         assert len(loader) == 2 and [batch.tolist() for batch in loader] == [[0, 1], [2, 3]]
     finally:
         restore(loader)
     monkeypatch.setattr(epoch, "lengths_of", lambda *args: [2, 3])  # this rank (0) holds 2 batches, rank 1 3
     participation = Participation()
-    stage = staged(loader, participation, CPU)
+    _, stage = staged(loader, participation, CPU)
     try:
         assert isinstance(stage, EpochBatches) and stage.lengths == [2, 3]
         assert len(loader) == 3 and participation.replays
@@ -219,6 +219,15 @@ def test_a_staged_loader_is_the_same_object_and_a_shorter_one_reports_the_longes
     finally:
         restore(loader)
     assert len(loader) == 2 and extension(loader) is None
+
+
+def test_a_staged_iterable_that_is_no_dataloader_is_wrapped_and_the_wrapper_replays(monkeypatch):
+    batches = [torch.tensor([0, 1]), torch.tensor([2, 3])]  # any iterable Lightning accepts as a loader
+    monkeypatch.setattr(epoch, "lengths_of", lambda *args: [2, 3])
+    wrapped, stage = staged(batches, Participation(), CPU)
+    assert wrapped is not batches and extension(wrapped) is not None and stage.lengths == [2, 3]
+    assert len(wrapped) == 3 and [batch.tolist() for batch in wrapped] == [[0, 1], [2, 3], [2, 3]]
+    assert restore(wrapped) is batches
 
 
 def test_the_strict_policy_refuses_ranks_that_hold_different_numbers_of_batches_naming_each(monkeypatch):

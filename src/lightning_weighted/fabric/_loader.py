@@ -54,7 +54,7 @@ class FabricLoader:
     def __init__(self, loader: Any, policy: Policy, device: torch.device, yielded: Yielded) -> None:
         self.loader, self.device, self.yielded = without_padding(loader), device, yielded
         self.participation = Participation(policy)
-        self.stage = staged(self.loader, self.participation, device)
+        self.loader, self.stage = staged(self.loader, self.participation, device)
         self.sized = all(n >= 0 for n in self.stage.lengths)
         extended = extension(extend(self.loader, self._marked))
         assert extended is not None

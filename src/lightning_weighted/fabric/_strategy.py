@@ -39,7 +39,7 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
         super().__init__(*args, **kwargs)
         self._policy = Participation(participation).policy  # checked now, where the user passed it
         self._loop: WindowLoop | None = None  # the last model's (what `last_window` and the like tell)
-        self._models: dict[int, _Windows] = {}  # each set-up model's windows, by the id of what `setup_module` gave
+        self._models = _Models()
         self._yielded = Yielded()
         self._implicit_noted = False  # a backward without a count was said to weight microbatches alike
 
@@ -66,7 +66,7 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
         over its own ``N``; a part given fewer counts than another is refused at the window's end, on every rank.
         ``model``: whose window they count, where several models are set up (as ``fabric.backward(..., model=)``).
         """
-        windows = self._windows_of(getattr(model, "_forward_module", model))
+        windows = self._models.of(getattr(model, "_forward_module", model))
         loop = windows.loop
         named = dict(counts) if isinstance(counts, Mapping) else {"": counts}
         loop.parts = tuple(name for name in named if name)  # the parts this window averages, each over its own N
@@ -118,7 +118,7 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
             parts: named loss parts, each the mean (or sum) over its own items, counted by :meth:`count_ahead`.
             **kwargs: passed on to the precision plugin's backward.
         """
-        windows = self._windows_of(module)
+        windows = self._models.of(module)
         loop = windows.loop
         syncs = self._syncs(loop.engine)
         ends = _ends_window(syncs, window_end, reduction)
@@ -156,7 +156,7 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
-        windows = self._windows_stepped_by(optimizer)
+        windows = self._models.stepped_by(optimizer)
         _check_closed(windows, "optimizer.step()")
         if windows is not None and windows.skip:
             return None  # a window without items: no parameter, no optimizer state changes
@@ -199,20 +199,24 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
         tensor = unfloored(tensor, reduce_op) if isinstance(tensor, Tensor) else tensor
         return super().all_reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[safe-super]
 
-    def _windows_of(self, module: Module | None) -> _Windows:
-        """The windows of the set-up model ``module`` (``None``: the one model set up)."""
-        if module is not None and id(module) in self._models:
-            return self._models[id(module)]
-        if not self._models:
-            raise RuntimeError(_NO_MODEL)
-        if len(self._models) > 1:
-            raise RuntimeError(_WHICH_MODEL.format(len(self._models)))
-        return next(iter(self._models.values()))
 
-    def _windows_stepped_by(self, optimizer: Optimizable) -> _Windows | None:
+class _Models(dict[int, "_Windows"]):
+    """Each set-up model's windows, by the id of what ``setup_module`` returned for it."""
+
+    def of(self, module: Module | None) -> _Windows:
+        """The windows of the set-up model ``module`` (``None``: the one model set up)."""
+        if module is not None and id(module) in self:
+            return self[id(module)]
+        if not self:
+            raise RuntimeError(_NO_MODEL)
+        if len(self) > 1:
+            raise RuntimeError(_WHICH_MODEL.format(len(self)))
+        return next(iter(self.values()))
+
+    def stepped_by(self, optimizer: Optimizable) -> _Windows | None:
         """The windows of the model whose parameters ``optimizer`` steps (``None``: none set up)."""
         first = next((p for group in optimizer.param_groups for p in group["params"]), None)
-        for windows in self._models.values():
+        for windows in self.values():
             if windows.parameters is None:
                 windows.parameters = {id(p) for p in windows.loop.engine.parameters()}
             if id(first) in windows.parameters:

@@ -237,11 +237,14 @@ class EpochBatches:
                 following = fetch()
 
 
-def staged(loader: Any, participation: Participation, device: torch.device, windows: bool = True) -> EpochBatches:
-    """Extends ``loader`` to yield until every rank is done, each pass staged by the :class:`EpochBatches` returned.
+def staged(
+    loader: Any, participation: Participation, device: torch.device, windows: bool = True
+) -> tuple[Any, EpochBatches]:
+    """Extends ``loader`` to yield until every rank is done; returns it and the :class:`EpochBatches` of its passes.
 
-    Every rank's length is gathered once (:func:`lengths_of`); a sized loader then reports the longest rank's.
-    ``windows``: as for :class:`EpochBatches`. Refuses uneven ranks under ``participation="strict"``.
+    The loader returned is the one given, but for an iterable that is no ``DataLoader``, which is wrapped. Every
+    rank's length is gathered once (:func:`lengths_of`); a sized loader then reports the longest rank's. ``windows``:
+    as for :class:`EpochBatches`. Refuses uneven ranks under ``participation="strict"``.
     """
     lengths = lengths_of(loader, device)
     sized = all(n >= 0 for n in lengths)
@@ -249,9 +252,9 @@ def staged(loader: Any, participation: Participation, device: torch.device, wind
         raise ValueError(_strict_message("in their dataloaders", lengths))
     participation.replays = not sized or len(set(lengths)) > 1
     stage = EpochBatches(participation, lengths, device, windows, lambda: lengths_of(loader, device, own_length))
-    extend(loader, stage.iterate, lambda: stage.longest)
+    loader = extend(loader, stage.iterate, lambda: stage.longest)
     stage.loader_state = own_state(loader)
-    return stage
+    return loader, stage
 
 
 def lengths_of(loader: Any, device: torch.device, length: Callable[[Any], int] = len) -> list[int]:

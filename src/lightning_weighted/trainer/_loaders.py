@@ -68,7 +68,7 @@ class FitLoaders:
         if self._stage_name != "train":
             participation = Participation(self.policy)
             self.evaluation[self._stage_name].append(participation)
-            staged(loader, participation, self.device, windows=False)
+            loader, _ = staged(loader, participation, self.device, windows=False)
             return self._kept(loader)
         if not self.train_loaders:
             loader = self._train(loader)
@@ -89,7 +89,8 @@ class FitLoaders:
         plan = resumed.plan(loader, world, rank) if resumed is not None else None
         if plan is not None and plan.loaded is not None:  # here: Lightning loads no state at an epoch's end
             loader.load_state_dict(plan.loaded)
-        stage = self.stage = staged(loader, self.train, self.device)  # the lengths as the plan deals them
+        loader, stage = staged(loader, self.train, self.device)  # the lengths as the plan deals them
+        self.stage = stage
         self._lengths, self._places = [stage.lengths], Places(stage, loader)
         stage.count = self.count
         stage.on_length = lambda batches: set_train_batches(self.trainer, batches)
