@@ -116,6 +116,8 @@ def checkpoint_of(row: Row, out: Path) -> str:
     if row.front == "fabric":
         return f"{out}.save"
     name = "on_exception.ckpt" if resume_from == "exception" else f"*-step={resume_from}.ckpt"
+    if option(row.options, "checkpoint") == "epoch":  # each such row resumes at epoch 0's end, whose step the plain
+        name = "epoch=0-step=*.ckpt"  # control's even shards can move
     found = sorted(Path(f"{out}.ckpt").glob(name))
     assert len(found) == 1, f"no single checkpoint {name} in {out}.ckpt: {found}"
     return str(found[0])
@@ -283,7 +285,8 @@ def test_the_plain_strategy_misses_the_reference_of_each_exact_row(tmp_path, row
         return
     found = departures(row, engine, run, weighted=False)
     assert "ran" not in found, found
-    assert not [check for check in found if check.startswith("rank_batches")], found
+    if "plain_order" not in row.extra:  # else Lightning's own resume trains another order (#21938), as the row says
+        assert not [check for check in found if check.startswith("rank_batches")], found
     assert "parameters" in found, "the plain strategy trained the weighted reference"
     steps = matrix.plan(row, even(row))
     error = matrix.max_relative_error(run.records[0]["params"], matrix.reference(row, steps, even(row)))
