@@ -1,8 +1,4 @@
-"""A microbatch's count: what a valid one is, how it is read and checked, and the one error every rank raises.
-
-A number is checked on the host; a tensor where it lives, the answer staying there as a float64 :class:`Problem` code
-(0: valid), read on the host only once the window ends.
-"""
+"""A microbatch's count: what a valid one is, how it is read and checked, and the one error every rank raises."""
 
 from __future__ import annotations
 
@@ -138,7 +134,15 @@ def read_count(value: object, integer: bool = False, host: bool = False) -> Coun
             return Count(math.nan, Problem.NOT_A_SCALAR)
         if value.dtype == torch.bool or value.is_complex():
             return Count(math.nan, Problem.NOT_A_NUMBER)
-        return read_count(value.item(), integer) if host else _read_on_device(value, integer)
+        if host:
+            return read_count(value.item(), integer)
+        n = value.reshape(()) if value.dim() else value  # checked on its device: its Problem's code beside it
+        n = (n.detach() if n.requires_grad else n).double()
+        edges, codes = _problem_table(n.device)  # two operations where comparisons take four (3.6 µs a count, not 18)
+        problem = codes.take(torch.searchsorted(edges, n, right=True))
+        if integer and value.is_floating_point():  # the first failing check wins
+            problem = torch.where((problem == 0) & (n != n.floor()), float(Problem.FRACTIONAL), problem)
+        return Count(n, problem)
 
     if isinstance(value, bool) or not isinstance(value, numbers.Real):  # True is an int, but no count
         return Count(math.nan, Problem.NOT_A_NUMBER)
@@ -150,17 +154,6 @@ def read_count(value: object, integer: bool = False, host: bool = False) -> Coun
     if integer and not number.is_integer():
         return Count(number, Problem.FRACTIONAL)
     return Count(number)
-
-
-def _read_on_device(value: Tensor, integer: bool) -> Count:
-    """A one-element tensor's count as a float64 0-dim tensor, and its problem's code beside it, on its device."""
-    n = value.reshape(()) if value.dim() else value
-    n = (n.detach() if n.requires_grad else n).double()
-    edges, codes = _problem_table(n.device)  # two operations where comparisons take four (3.6 µs a count, not 18)
-    problem = codes.take(torch.searchsorted(edges, n, right=True))
-    if integer and value.is_floating_point():  # the first failing check wins
-        problem = torch.where((problem == 0) & (n != n.floor()), float(Problem.FRACTIONAL), problem)
-    return Count(n, problem)
 
 
 @cache  # one table a device: made on the device once, not copied there for each count
@@ -186,13 +179,10 @@ class Counts(NamedTuple):
     values: tuple[float | Tensor, ...]  # as each part's :class:`Count` holds it
     problems: tuple[Problem | Tensor | None, ...] | None = None  # ``None``: every count a valid number on the host
 
-    def part(self, k: int) -> Count:
-        """Part ``k``'s count."""
-        return Count(self.values[k], None if self.problems is None else self.problems[k])
-
     def each(self) -> list[Count]:
         """Every part's count."""
-        return [self.part(k) for k in range(len(self.values))]
+        problems = self.problems or (None,) * len(self.values)
+        return [Count(value, problem) for value, problem in zip(self.values, problems, strict=True)]
 
 
 def read_counts(values: Sequence[object], integer: Sequence[bool], host: bool = False) -> Counts:
@@ -224,10 +214,7 @@ class DeviceCount(NamedTuple):
 
 
 def problem_error(rows: Sequence[Sequence[float]], wording: Wording = TRAINER) -> Exception:
-    """The one error every rank raises, from every rank's ``[problem, value]`` (``0``: none), in rank order.
-
-    One rank's problem names the rank and quotes its value; one several ranks share is named once; others counted.
-    """
+    """The one error every rank raises, from every rank's ``[problem, value]`` (``0``: none), in rank order."""
     found = [(rank, Problem(round(kind)), value) for rank, (kind, value) in enumerate(rows) if kind > 0]
     kinds = {problem for _, problem, _ in found}
     if len(found) == 1:
@@ -242,7 +229,6 @@ def problem_error(rows: Sequence[Sequence[float]], wording: Wording = TRAINER) -
 
 
 def _message(problem: Problem, wording: Wording, value: object = None) -> str:
-    """The problem's sentence; without a value (several ranks' differ), the quote is left out."""
     what = _MESSAGES[problem]
     if value is None:
         what = what.replace(" ({value!r})", "").replace(" {value!r}", "")

@@ -17,7 +17,7 @@ from lightning_weighted.parts import Parts
 from lightning_weighted.payload import Slot, WindowResult, at, host_tensor, window_result
 from lightning_weighted.window import Window, payload
 
-__all__ = ["Exchange", "Output", "WindowLoop", "read_output", "summed_counts", "terms"]
+__all__ = ["Exchange", "Output", "WindowLoop", "read_output", "terms"]
 
 
 @dataclass(frozen=True)
@@ -81,18 +81,15 @@ class Exchange:
         """The summed payload (this rank's own ``LOCAL``), the one host read; raises any problem on every rank."""
         self.items()
         values: list[float] = self.vector.tolist()
-        if values[Slot.INVALID] > 0:
-            raise problem_error(self._rows(), wording)
+        if values[Slot.INVALID] > 0:  # gather every rank's first problem
+            rows = [w.problem_row(self.vector.device) for w in self.windows]
+            row = next((r for r in rows if float(r[0]) > 0), rows[0])
+            gathered = [row]
+            if dist.is_initialized():
+                gathered = [torch.empty_like(row) for _ in range(dist.get_world_size(self.group))]
+                dist.all_gather(gathered, row, group=self.group)
+            raise problem_error([g.tolist() for g in gathered], wording)
         return values
-
-    def _rows(self) -> list[list[float]]:
-        rows = [w.problem_row(self.vector.device) for w in self.windows]
-        row = next((r for r in rows if float(r[0]) > 0), rows[0])
-        if not dist.is_initialized():
-            return [row.tolist()]
-        gathered = [torch.empty_like(row) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(gathered, row, group=self.group)
-        return [g.tolist() for g in gathered]
 
 
 class WindowLoop:
@@ -123,8 +120,14 @@ class WindowLoop:
         """Counts the next window ahead; returns each part's N (``totals``, else one SUM now, left on the device)."""
         if self._window is not None:
             raise RuntimeError("a window's counts were handed over while a window is open: once per window, first")
-        if totals is None:
-            totals = summed_counts(rows, len(self.parts) or 1, self.device, self.engine.group)
+        if totals is None:  # every rank's valid counts summed
+            summed = host_tensor(host_items(rows, len(self.parts) or 1), self.device)
+            for row in rows:
+                for k, count in enumerate(row.each() if row.problems is not None else ()):
+                    if isinstance(count.value, Tensor) or isinstance(count.problem, Tensor):  # checked on its device
+                        summed[k] += valid_count(count)  # an invalid one's problem is reported at the window's end
+            dist.all_reduce(summed, group=self.engine.group)
+            totals = summed
         divisor, size = self.engine.divisor, self.ranks * len(rows)  # P M
         parts = Parts(rows, totals, divisor, self.device) if self.parts else None
         self._window = Window(total=None if parts else totals[0], divisor=divisor, microbatches=size, parts=parts)
@@ -143,10 +146,10 @@ class WindowLoop:
         given = output.parts or {}  # each counted part's loss, in the counted order (None where one is missing)
         losses = [given.get(name) for name in self.parts] if self.parts else [output.loss]
         problem = None if replay else _problem(output, losses, len(self.parts), planned is not None)
-        count = planned.part(0) if planned is not None and not self.parts else output.count
+        count = planned.each()[0] if planned is not None and not self.parts else output.count
         if planned is not None and problem is None and not replay:  # a count given, or counted again, must agree
             if output.count is not None:
-                window.check(output.count, planned.part(0))
+                window.check(output.count, planned.each()[0])
             for again, planned_count in zip(recount.each() if recount else (), planned.each(), strict=False):
                 window.check(again, planned_count, Problem.CHANGED)
         if replay or problem is not None or (count is None and planned is None):
@@ -159,12 +162,11 @@ class WindowLoop:
             return
         parts = window.parts
         weight = window.add(count, losses[0], output.item_sum) if parts is None and count is not None else 0.0
-        share = window.aux_factor()  # D / (P M) counted ahead; None counted after, which refuses auxiliary terms
         aux = None
-        if output.aux and share is not None:
-            aux = torch.stack(list(output.aux.values())).sum() * share
-        elif output.aux:
+        if output.aux and not window.ahead:  # counted after, N would divide the terms too
             window.reject(Problem.AUX_AFTER)
+        elif output.aux:  # the terms' factor: D / (P M)
+            aux = torch.stack(list(output.aux.values())).sum() * (window.divisor / window.microbatches)
         if parts is None:
             factor, loss = window.factor(weight), losses[0]
         else:
@@ -263,17 +265,6 @@ def _total(tensors: Iterable[Tensor | None]) -> Tensor | None:
     return torch.stack([t.reshape(()) for t in present]).sum() if present else None
 
 
-def summed_counts(rows: Sequence[Counts], parts: int, device: torch.device, group: dist.ProcessGroup | None) -> Tensor:
-    """Each part's SUM over ``group`` of every rank's valid counts, left on the device (one all-reduce)."""
-    total = host_tensor(host_items(rows, parts), device)
-    for row in rows:
-        for k, count in enumerate(row.each() if row.problems is not None else ()):
-            if isinstance(count.value, Tensor) or isinstance(count.problem, Tensor):  # checked on its device
-                total[k] += valid_count(count)  # an invalid one's problem is reported at the window's end
-    dist.all_reduce(total, group=group)
-    return total
-
-
 def multiply_gradients(parameters: Iterable[Tensor], factor: Tensor | float) -> None:
     """Multiplies every local gradient (a shard, for a sharded parameter) by ``factor``, one fused pass per dtype."""
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
@@ -317,7 +308,6 @@ class TypicalCount:
 
 
 def _check_nan_empty(engine: Engine, ranks: int, device: torch.device) -> None:
-    """Raises on every rank where a microbatch counted 0 with a non-finite loss put non-finite values into gradients."""
     flag = torch.zeros(1, dtype=torch.float64, device=device)
     for local in _local_gradients(engine.parameters()):
         flag += (~torch.isfinite(local.coalesce().values() if local.is_sparse else local)).any()

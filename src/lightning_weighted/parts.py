@@ -49,8 +49,9 @@ class Parts:
                 self.problem = (Problem.TOO_LARGE, max(self.items))
             self.some_empty = min(self._host, default=1.0) <= 0
             return
-        self._counts = _vector(valid, device, at_once=on_host).view(-1, self.count)
-        total = _float64(totals, device) if isinstance(totals, Tensor) else _vector(totals, device, at_once=False)
+        flat = host_tensor(cast("list[float]", valid), device) if on_host else _stack(valid, device)
+        self._counts = flat.view(-1, self.count)
+        total = _float64(totals, device) if isinstance(totals, Tensor) else _stack(totals, device)
         self._scale = torch.where(total > 0, divisor / total, 0.0)
         self._host, self.items, self.some_empty = None, [0.0] * self.count, True
         self.device_items = self._counts.sum(0)
@@ -64,23 +65,20 @@ class Parts:
         """The factor and loss of microbatch ``microbatch`` (``0.0`` and ``losses`` where the host knows it empty)."""
         if microbatch in self._empty:
             return 0.0, losses
-        weights, factors = self._table(item_sum, losses.dtype)
-        self._held.append((microbatch, weights, losses.detach()))
-        return 1.0, torch.dot(losses, factors[microbatch])
-
-    def _table(self, item_sum: bool, dtype: torch.dtype) -> tuple[Tensor, Sequence[Tensor]]:
-        """The weights (a mean's its count, a sum's 1 where it counts any) and each microbatch's factors, once."""
-        if (item_sum, dtype) not in self._tables:
+        key = (item_sum, losses.dtype)
+        if key not in self._tables:  # the weights (a mean's its count, a sum's 1 where it counts any) and factors
             if self._host is not None:  # made on the host, copied to the device at once
                 scale = cast("list[float]", self._scale)
                 host = [1.0 if n else 0.0 for n in self._host] if item_sum else self._host
-                factors = [w * scale[i % self.count] for i, w in enumerate(host)]  # entry i is part i % K's
-                weights, scaled = host_tensor(host + factors, self._device).view(2, -1, self.count).unbind(0)
+                products = [w * scale[i % self.count] for i, w in enumerate(host)]  # entry i is part i % K's
+                weights, scaled = host_tensor(host + products, self._device).view(2, -1, self.count).unbind(0)
             else:
                 weights = (self._counts > 0).double() if item_sum else self._counts
                 scaled = weights * cast("Tensor", self._scale)
-            self._tables[item_sum, dtype] = (weights, scaled.to(dtype).unbind(0))
-        return self._tables[item_sum, dtype]
+            self._tables[key] = (weights, scaled.to(losses.dtype).unbind(0))
+        weights, factors = self._tables[key]
+        self._held.append((microbatch, weights, losses.detach()))
+        return 1.0, torch.dot(losses, factors[microbatch])
 
     def device_fields(self, empty: Callable[[Tensor], None]) -> dict[Slot, Tensor]:
         """The payload's fields on a device, a vector each; a loss of weight 0 adds 0, and goes to ``empty``."""
@@ -104,10 +102,7 @@ class Parts:
         return fields
 
 
-def _vector(values: Sequence[float | Tensor], device: torch.device, at_once: bool) -> Tensor:
-    """``values`` as a float64 vector on ``device``: numbers copied at once, or each value put there and stacked."""
-    if at_once:
-        return host_tensor(cast("list[float]", values), device)
+def _stack(values: Sequence[float | Tensor], device: torch.device) -> Tensor:
     return torch.stack([_float64(value, device) for value in values])
 
 

@@ -49,15 +49,7 @@ class Window:
     """One rank's account of one accumulation window: one loss, or the :class:`Parts` counted ahead.
 
     Counted after, ``scale`` is :math:`c`; counted ahead, ``total`` is :math:`N` (a number, or still on the device),
-    ``divisor`` :math:`D`, ``microbatches`` :math:`P M` (:meth:`aux_factor`), and ``parts`` the named loss parts.
-
-    Example (rank 1 of the worked trace, counted after)::
-
-        >>> window = Window()
-        >>> window.factor(window.add(Count(6.0), loss=torch.tensor(4.0)))  # its mean loss, times 6: an item sum
-        6.0
-        >>> payload([window], more=False, device=torch.device("cpu")).tolist()  # MORE, ..., ITEMS, NEXT, LOSS, LOCAL
-        [0.0, 0.0, 0.0, 6.0, 0.0, 24.0, 6.0]
+    ``divisor`` :math:`D`, ``microbatches`` :math:`P M`, and ``parts`` the named loss parts.
     """
 
     def __init__(
@@ -88,8 +80,14 @@ class Window:
         if isinstance(problem, Problem):
             self.reject(problem, n)
             return 0.0
-        if isinstance(n, Tensor) or isinstance(problem, Tensor):
-            return self._add_on_device(n, problem, loss, item_sum)
+        if isinstance(n, Tensor) or isinstance(problem, Tensor):  # checked on its device, its weight stays there
+            if not isinstance(n, Tensor) or n.dtype is not torch.float64:  # `read_count` gives float64 already
+                n = torch.as_tensor(n, dtype=torch.float64, device=problem.device if problem is not None else None)
+            if problem is None:
+                problem = torch.zeros_like(n)
+            counted = torch.where(problem == 0, n, 0.0)  # a valid count weighs itself, 0 included
+            self._hold(DeviceCount(n, problem, counted, None if loss is None else _detached(loss), item_sum))
+            return (counted > 0).double() if item_sum else counted
         if n == 0:
             return 0.0  # exactly nothing, also from the NaN mean of a fully masked microbatch
         if self.items + n >= MAX_ITEMS:
@@ -104,18 +102,7 @@ class Window:
                 self._weigh_losses()
         return weight
 
-    def _add_on_device(self, n: float | Tensor, problem: Tensor | None, loss: Tensor | None, item_sum: bool) -> Tensor:
-        """Holds a count checked on its device; its weight stays there: ``n`` where it is valid, else 0."""
-        if not isinstance(n, Tensor) or n.dtype is not torch.float64:  # `read_count` gives float64 already
-            n = torch.as_tensor(n, dtype=torch.float64, device=problem.device if problem is not None else None)
-        if problem is None:
-            problem = torch.zeros_like(n)
-        counted = torch.where(problem == 0, n, 0.0)  # a valid count weighs itself, 0 included
-        self._hold(DeviceCount(n, problem, counted, None if loss is None else _detached(loss), item_sum))
-        return (counted > 0).double() if item_sum else counted
-
     def _weigh_losses(self) -> None:
-        """Adds the held losses, times their weights, into the window's loss: one product for the lot."""
         if not self._losses:
             return
         if len(self._losses) == 1:
@@ -127,7 +114,6 @@ class Window:
         self._losses, self._weights = [], []
 
     def _hold(self, count: DeviceCount) -> None:
-        """Holds a device count; every :data:`MOST_HELD` they are summed, and the first problem kept."""
         self._on_device.append(count)
         if len(self._on_device) >= MOST_HELD:
             self._first = _first_of(self._first, _first_problem(self._on_device))
@@ -148,10 +134,6 @@ class Window:
             self._hold(DeviceCount(n, torch.where(differs, float(problem), kind)))
         elif given.value != planned.value:
             self.reject(problem, float(given.value))
-
-    def aux_factor(self) -> float | None:
-        """An auxiliary term's factor, :math:`D / (P M)`; ``None`` counted after, where ``N`` would divide it too."""
-        return self.divisor / self.microbatches if self.ahead else None
 
     def factor(self, weight: float | Tensor) -> float | Tensor:
         """What the loss of a microbatch of weight ``weight`` is multiplied by: :math:`D w / N`, or :math:`w / c`."""
@@ -239,13 +221,11 @@ def _first_of(earlier: Tensor | None, later: Tensor) -> Tensor:
 def _add(
     fields: dict[Slot, Tensor], slot: Slot, value: Tensor, combine: Callable[[Tensor, Tensor], Tensor] = torch.add
 ) -> None:
-    """Adds ``value`` into a field of ``fields`` (or keeps the larger, with ``torch.maximum``)."""
     held = fields.get(slot)
     fields[slot] = value if held is None else combine(held, value)
 
 
 def _detached(loss: Tensor) -> Tensor:
-    """A one-element loss as the window holds it: detached, 0-dim (summed only where it has dimensions)."""
     return loss.detach() if loss.dim() == 0 else loss.detach().sum()
 
 
@@ -283,8 +263,6 @@ def _positions(layout: tuple[tuple[Slot, int], ...], parts: int, device: torch.d
         where = at(slot, parts)
         if k < 0:  # every part's values
             positions.extend(range(where.start, where.stop))
-        elif slot < Slot.ITEMS:  # a shared field: one value
-            positions.append(where.start)
-        else:
-            positions.append(where.start + k)
+        else:  # a shared field's one value, or window k's part
+            positions.append(where.start if slot < Slot.ITEMS else where.start + k)
     return torch.tensor(positions, device=device)
