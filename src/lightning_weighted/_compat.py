@@ -16,6 +16,9 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.strategies.registry import _StrategyRegistry as StrategyRegistry  # Lightning's registry type
 from lightning.fabric.strategies.strategy import _BackwardSyncControl as BackwardSyncControl  # no public base class
+from lightning.fabric.utilities.data import _set_sampler_epoch as set_sampler_epoch  # the epoch of a loader's samplers
+from lightning.pytorch.utilities.data import _update_dataloader as rebuild_loader  # a loader rebuilt with a sampler
+from lightning.pytorch.utilities.exceptions import _augment_message as augment_message  # as DDPStrategy.on_exception
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
@@ -90,13 +93,6 @@ def unfloored(tensor: Tensor, reduce_op: object) -> Tensor:
     return tensor
 
 
-def augment_message(exception: BaseException, pattern: str, message: str) -> None:
-    """Lightning's ``_augment_message``, as ``DDPStrategy.on_exception`` uses it for DDP's unused-parameter error."""
-    from lightning.pytorch.utilities.exceptions import _augment_message
-
-    _augment_message(exception, pattern=pattern, new_message=message)
-
-
 def forward_redirection(strategy: Any, wrapper: nn.Module, module: nn.Module, name: str, *args: Any) -> Any:
     """``module.<name>(*args)`` through FSDP1's root ``wrapper``, which gathers parameters only in its forward."""
     return strategy._forward_redirection(wrapper, module, name, *args)
@@ -134,21 +130,13 @@ def set_train_batches(trainer: Any, batches: int) -> None:
     from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
     from lightning.pytorch.trainer.states import RunningStage
 
-    fit_loop = trainer.fit_loop
     limit = _parse_num_batches(RunningStage.TRAINING, batches, trainer.limit_train_batches)
-    limits = fit_loop._combined_loader.limits  # in place: the epoch's iterator holds the same list
+    limits = trainer.fit_loop._combined_loader.limits  # in place: the epoch's iterator holds the same list
     limits[:] = [limit] * len(limits)
-    fit_loop.max_batches = limit
+    trainer.fit_loop.max_batches = limit
     interval = trainer.val_check_interval
     if isinstance(interval, float) and getattr(trainer, "_val_check_time_interval", None) is None:
         trainer.val_check_batch = max(1, int(limit * interval))
-
-
-def set_sampler_epoch(loader: object, epoch: int) -> None:
-    """Lightning's ``_set_sampler_epoch``: the epoch of every sampler of ``loader`` that takes one."""
-    from lightning.fabric.utilities.data import _set_sampler_epoch
-
-    _set_sampler_epoch(loader, epoch)
 
 
 def litdata_resumed(state: dict[str, Any], items: int) -> dict[str, Any]:
@@ -298,10 +286,3 @@ def set_sampler(loader: DataLoader[Any], sampler: Any, keep: bool = False) -> No
         batches.sampler = sampler
     if not keep:
         object.__setattr__(loader, "sampler", sampler)
-
-
-def rebuild_loader(loader: DataLoader[Any], sampler: Any) -> DataLoader[Any]:
-    """Lightning's ``_update_dataloader``: the loader built again with ``sampler``, for custom batch samplers."""
-    from lightning.pytorch.utilities.data import _update_dataloader
-
-    return _update_dataloader(loader, sampler)

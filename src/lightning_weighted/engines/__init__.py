@@ -6,7 +6,7 @@ stays sparse); its own NaN is cut from each gradient on its way in, but not what
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import torch
@@ -26,10 +26,7 @@ class Engine(Protocol):
     needs_graph: bool  # every microbatch must backpropagate through the model (a sharded model's collectives)
 
     def empty(self, loss: Tensor | None) -> Tensor:
-        """``0 · loss`` for a microbatch that holds no item; its own NaN reaches no parameter until the backward ends.
-
-        Without :attr:`needs_graph`, ``loss`` may be ``None`` or graphless (refused): a zero of the parameters stands.
-        """
+        """``0 · loss`` for a microbatch that holds no item, or a zero where ``loss`` is ``None`` or graphless."""
 
     def after_backward(self) -> None:
         """Undoes what :meth:`empty` set up, once the backward has run."""
@@ -41,8 +38,7 @@ class Engine(Protocol):
 class FiniteGradients:
     """What the engines that accumulate unsharded gradients (DDP, FSDP1) share: an empty microbatch's NaN, cut."""
 
-    def __init__(self) -> None:
-        self._handles: list[RemovableHandle] = []
+    _handles: Sequence[RemovableHandle] = ()
 
     def keep_finite(self, tensors: Iterable[Tensor]) -> None:
         """Keeps only the finite values of each gradient computed for ``tensors``, until :meth:`after_backward`."""
@@ -52,7 +48,7 @@ class FiniteGradients:
         """Removes the hooks of an empty microbatch."""
         for handle in self._handles:
             handle.remove()
-        self._handles = []
+        self._handles = ()
 
 
 def _finite(gradient: Tensor) -> Tensor:

@@ -10,40 +10,28 @@ from torch import Tensor, nn
 
 from lightning_weighted.engines import FiniteGradients
 
-__all__ = ["DDPEngine", "fp16_backward", "zero_loss"]
+__all__ = ["DDPEngine", "fp16_backward"]
 
 
 class DDPEngine(FiniteGradients):
-    """The engine of a ``DistributedDataParallel`` model (Lightning's or Fabric's DDP strategy).
-
-    Args:
-        ddp: the wrapped model; its reducer averages over its process group (:math:`D = P`).
-        module: the module it wraps, whose trainable parameters a refused microbatch's zero reaches.
-        mean_sized: keep losses the size of a mean (an fp16 backward).
-    """
+    """The engine of ``ddp``, a ``DistributedDataParallel`` of ``module`` whose reducer averages (:math:`D = P`)."""
 
     def __init__(self, ddp: nn.Module, module: nn.Module, mean_sized: bool = False) -> None:
-        super().__init__()
         self.ddp, self.module, self.mean_sized, self.needs_graph = ddp, module, mean_sized, False
         self.group: dist.ProcessGroup | None = getattr(ddp, "process_group", None)
         self.divisor = dist.get_world_size(self.group)
         self._parameters = tuple(ddp.parameters())  # DDP's parameters are fixed once it wraps the model
 
     def empty(self, loss: Tensor | None) -> Tensor:
-        """``0 · loss`` through its own graph, each gradient's finite values kept; graphless, :func:`zero_loss`."""
+        """``0 · loss`` through its own graph, each gradient's finite values kept; graphless, a zero of ``module``."""
         if loss is None or loss.grad_fn is None:
-            return zero_loss(self.module)
+            return torch.stack([p.sum().float() * 0.0 for p in self.module.parameters() if p.requires_grad]).sum()
         self.keep_finite(p for p in self._parameters if p.requires_grad)
         return loss.sum() * 0.0
 
     def parameters(self) -> Iterable[Tensor]:
         """The wrapped model's parameters."""
         return self._parameters
-
-
-def zero_loss(module: nn.Module) -> Tensor:
-    """An exact zero that reaches every trainable parameter of ``module``: a loss for a microbatch that gave none."""
-    return torch.stack([param.sum().float() * 0.0 for param in module.parameters() if param.requires_grad]).sum()
 
 
 def fp16_backward(plugin: object) -> bool:

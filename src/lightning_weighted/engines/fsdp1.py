@@ -50,7 +50,6 @@ class FSDP1Engine(FiniteGradients):
     def __init__(self, root: nn.Module) -> None:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        super().__init__()
         self.root = root
         first = next(m for m in root.modules() if isinstance(m, FullyShardedDataParallel))
         self.group: dist.ProcessGroup | None = first.process_group
@@ -76,10 +75,9 @@ _HOOKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def _sum_reduce_scatter(engine: FSDP1Engine, grad: Tensor, output: Tensor | None = None) -> None:
-    """FSDP1's communication hook: SUM-reduce-scatters the unsharded gradient into ``output``, with no division."""
-    if output is None and dist.get_world_size(engine.group) == 1:
-        return  # one rank: FSDP1 runs NO_SHARD, and the gradient is the sum already
     if output is None:
+        if dist.get_world_size(engine.group) == 1:
+            return  # one rank: FSDP1 runs NO_SHARD, and the gradient is the sum already
         raise ValueError(
             "fsdp_weighted reduce-scatters a sharded gradient, but FSDP called its hook without an output shard"
             " (NO_SHARD). Use a sharded strategy ('FULL_SHARD' or 'SHARD_GRAD_OP'), or 'ddp_weighted'."
@@ -88,10 +86,7 @@ def _sum_reduce_scatter(engine: FSDP1Engine, grad: Tensor, output: Tensor | None
 
 
 def wrapped_on_cpu(strategy: Any, module: nn.Module) -> nn.Module | None:
-    """``module`` wrapped by an ``FSDPStrategy`` on the CPU, which Lightning cannot (it passes the index ``None``).
-
-    ``None`` where the strategy's device is not the CPU, or the module holds FSDP1 units already.
-    """
+    """``module`` wrapped by an ``FSDPStrategy`` on the CPU, which Lightning cannot (it passes the index ``None``)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     if strategy.root_device.type != "cpu" or any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):

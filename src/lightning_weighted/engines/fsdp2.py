@@ -33,12 +33,7 @@ FP16_FIX = (
 
 
 class FSDP2Engine:
-    """The engine of a module sharded with FSDP2 (torch 2.9 or later), configured and checked by the constructor.
-
-    Args:
-        module: the model after ``fully_shard`` (a ``LightningModule`` after ``configure_model``).
-        group: the data-parallel group the window's counts are summed over.
-    """
+    """The engine of ``module`` sharded with FSDP2 (torch 2.9 or later) over ``group``, configured and checked here."""
 
     divisor = 1
     mean_sized = False
@@ -75,7 +70,7 @@ class FSDP2Engine:
             fsdp.set_gradient_divide_factor(1.0)
             fsdp.set_force_sum_reduction_for_comms(True)
             if groups:
-                fsdp.set_custom_reduce_scatter(_ZeroingReduceScatter(self))  # type: ignore[arg-type]
+                fsdp.set_custom_reduce_scatter(self)  # type: ignore[arg-type]
             if any(_shards_over_one_rank(param_group) for param_group in groups):
                 fsdp.set_all_reduce_hook(self._zero)  # one rank: FSDP copies instead of reduce-scattering
 
@@ -93,24 +88,18 @@ class FSDP2Engine:
         """The sharded module's parameters (DTensors, whose local shards hold this rank's gradients)."""
         return self.module.parameters()
 
-    def _zero(self, tensor: Tensor) -> None:
-        if self.zeroing:  # its own NaN (0/0) cut, what collectives brought from the other ranks' losses kept
-            torch.nan_to_num(tensor, nan=0.0, posinf=0.0, neginf=0.0, out=tensor)
-
-
-class _ZeroingReduceScatter:
-    """FSDP2's reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) with an empty microbatch's input zeroed."""
-
-    def __init__(self, engine: FSDP2Engine) -> None:
-        self.engine = engine
-
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> Tensor:
         """A fresh buffer, as FSDP2's default reduce-scatter allocates one."""
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: Any, op: Any, async_op: bool = False) -> Any:
-        self.engine._zero(input_tensor)
+        """Each ``FSDPModule``'s reduce-scatter (``set_custom_reduce_scatter``), an empty microbatch's input zeroed."""
+        self._zero(input_tensor)
         return reduce_scatter(output_tensor, input_tensor, group, op, async_op)
+
+    def _zero(self, tensor: Tensor) -> None:
+        if self.zeroing:  # its own NaN (0/0) cut, what collectives brought from the other ranks' losses kept
+            torch.nan_to_num(tensor, nan=0.0, posinf=0.0, neginf=0.0, out=tensor)
 
 
 def shard_blocks(module: nn.Module, mesh: Any) -> nn.Module:
@@ -144,7 +133,6 @@ def shard_blocks(module: nn.Module, mesh: Any) -> nn.Module:
 
 
 def _shards_over_one_rank(group: Any) -> bool:
-    """Whether FSDP2 copies instead of reduce-scattering this group's gradients (it shards over one rank)."""
     shards, replicas = fsdp2_shard_sizes(group)
     if shards > 1:
         return False
