@@ -51,39 +51,25 @@ SAMPLER_WARNING = "warnings.filters"
 LOADERS = "Strategy.barrier"
 
 _SAMPLER_WARNING = "Using `DistributedSampler` with the dataloaders"  # the start of Lightning's message
-Counted = Callable[[Output, Any], "list[Count]"]
+Counted = Callable[[Output, Any], "list[Count]"]  # the training count rule: each part's count of a step and its batch
 
 
 @dataclass
 class BatchState:
-    """What a weighted fit's hooks note of the batch in progress: one new object per batch.
+    """What a weighted fit's hooks note of the batch in progress: one new object per batch."""
 
-    Attributes:
-        position: its place in its epoch (replays follow a rank's real batches).
-        replay: it replays a batch of a rank whose data ran out: it counts 0, and its logs and metrics leave no trace.
-        replays: its loader replays on some rank: values logged across ranks weigh each rank by its batch's realness.
-        loader: an evaluation batch's ``dataloader_idx``.
-        ends_window: its backward ends the window (the Trainer runs that batch inside ``optimizer_step``).
-        skipped: the window it ended had no item (``N = 0``): step-interval LR schedulers do not step after it.
-        plan: counts ahead, its window's counts and ``N``, planned again where the optimizer re-evaluates (LBFGS).
-    """
-
-    position: int = 0
-    replay: bool = False
-    replays: bool = False
-    loader: int = 0
-    ends_window: bool = False
-    skipped: bool = False
+    position: int = 0  # its place in its epoch (replays follow a rank's real batches)
+    replay: bool = False  # it replays a batch of a rank out of data: it counts 0, its logs and metrics leave no trace
+    replays: bool = False  # its loader replays on some rank: logged values weigh each rank by its batch's realness
+    loader: int = 0  # an evaluation batch's `dataloader_idx`
+    ends_window: bool = False  # its backward ends the window (the Trainer runs that batch inside `optimizer_step`)
+    skipped: bool = False  # the window it ended had no item (N = 0): step-interval LR schedulers do not step after it
+    # counted ahead: its window's counts and N, planned again where the optimizer re-evaluates (LBFGS)
     plan: tuple[list[Counts], Sequence[float | Tensor] | Tensor] | None = None
 
 
 class Seam:
-    """The touches of one weighted fit (see the module docstring); ``begin_train(batch_idx)`` begins a train batch.
-
-    Attributes:
-        batch: the batch in progress.
-        weight: in the step of a loader that replays, 1.0 for a real batch, 0.0 for a replay; else ``None``.
-    """
+    """The touches of one weighted fit (see the module docstring); ``begin_train(batch_idx)`` begins a train batch."""
 
     def __init__(self, loaders: FitLoaders, begin_train: Callable[[int], None]) -> None:
         self.loaders, self.begin_train = loaders, begin_train
@@ -91,7 +77,7 @@ class Seam:
         self.loop: WindowLoop | None = None
         self.module: LightningModule | None = None
         self.evaluation: EvaluationLoss | None = None
-        self.weight: float | None = None
+        self.weight: float | None = None  # in the step of a loader that replays: 1.0 for a real batch, 0.0 for a replay
         self._touches = contextlib.ExitStack()
 
     def enter(self, trainer: Trainer, module: LightningModule, loop: WindowLoop, evaluation: EvaluationLoss) -> None:
@@ -175,9 +161,8 @@ class _Batches(Callback):
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         loaders = self.seam.loaders.evaluation["test" if trainer.testing else "val"]
-        participation = loaders[dataloader_idx] if dataloader_idx < len(loaders) else None
-        replays = participation is not None and participation.replays
-        replay = replays and participation is not None and participation.replay(batch_idx)
+        replays = dataloader_idx < len(loaders) and loaders[dataloader_idx].replays
+        replay = replays and loaders[dataloader_idx].replay(batch_idx)
         self.seam.batch = BatchState(batch_idx, replay, replays, loader=dataloader_idx)
 
     on_test_batch_start = on_validation_batch_start
@@ -194,11 +179,7 @@ class _Batches(Callback):
 
 
 class EvaluationLoss:
-    """The item mean of the loss each ``validation_step`` or ``test_step`` returns, over every rank (``val/loss``).
-
-    ``counted`` is the training count rule (each part's count of a step's output and batch); ``parts`` are the names
-    of the loss parts (``()``: one loss).
-    """
+    """The item mean over every rank of the loss each evaluation step returns (``val/loss``), counted as in training."""
 
     def __init__(
         self, device: torch.device, group: dist.ProcessGroup | None, counted: Counted, parts: Sequence[str] = ()

@@ -102,15 +102,16 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        trainer = self._windows.trainer = self._trainer()
+        assert self.lightning_module is not None
+        trainer = self._windows.trainer = self.lightning_module.trainer
         ahead = self._windows.ahead = self._loaders.counts_ahead(trainer.train_dataloader)
         if self._counter is not None and self._counter.names and not ahead:
             raise ValueError(_PARTS_AFTER.format(list(self._counter.names)))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        loop, module, state = self._require_loop(), self.lightning_module, self._seam.batch
-        assert module is not None
+        loop, module, state = self._loop, self.lightning_module, self._seam.batch
+        assert loop is not None and module is not None
         with self._seam.step(module):
             output = super().training_step(*args, **kwargs)
         batch = fetched_batch(module.trainer) if self._fetches_itself else args[0]
@@ -150,7 +151,8 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        loop, trainer = self._require_loop(), self._trainer()
+        loop, trainer = self._loop, self._windows.trainer
+        assert loop is not None and trainer is not None
         # Lightning divided the loss by `accumulate_grad_batches`: undone, the microbatch is weighted instead.
         loss = loop.backward_loss(closure_loss, trainer.accumulate_grad_batches)
         if self._seam.batch.ends_window:
@@ -192,14 +194,6 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
         checkpoint: dict[str, Any] = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._loaders.load(checkpoint)
         return checkpoint
-
-    def _trainer(self) -> Trainer:
-        assert self.lightning_module is not None
-        return self.lightning_module.trainer
-
-    def _require_loop(self) -> WindowLoop:
-        assert self._loop is not None, "the loop of windows is made at setup"
-        return self._loop
 
 
 class TrainWindows:

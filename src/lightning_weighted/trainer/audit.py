@@ -255,8 +255,7 @@ def local_sums(
     takes_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
     buffers = [(buffer, buffer.detach().clone()) for buffer in pl_module.buffers()]
     cuda = [pl_module.device] if pl_module.device.type == "cuda" else []
-    model = strategy.model  # FSDP1 gathers its parameters only inside its root's forward, as Lightning calls the step
-    root = model if isinstance(strategy, FSDPStrategy) and model is not None and model is not pl_module else None
+    root = targets.root if targets.root is not pl_module else None  # FSDP1 gathers parameters only in its forward
     with _rerun_step(pl_module), torch.enable_grad():
         for microbatch in window:
             with torch.random.fork_rng(devices=cuda), targets.used() as used:
