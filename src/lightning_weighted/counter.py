@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch  # noqa: F401  (the examples in the docstrings build their batches with it)
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -18,7 +18,6 @@ __all__ = ["ItemCounter", "count_documents", "count_examples", "count_tokens", "
 
 CountFn = Callable[[Any], int | float | Tensor]
 Preset = Literal["examples", "tokens", "weights", "documents"]
-_PRESETS = ("examples", "tokens", "weights", "documents")
 
 
 def count_examples(batch: Any) -> int:
@@ -97,7 +96,7 @@ class ItemCounter(Callback):
         integer: bool | None = None,
         parts: Mapping[str, ItemCounter | Preset | CountFn] | None = None,
     ) -> None:
-        if isinstance(count, str) and count not in _PRESETS:
+        if isinstance(count, str) and count not in get_args(Preset):
             raise ValueError(
                 f"count={count!r} is not a preset: use 'examples', 'tokens', 'weights', 'documents' or a function"
             )
@@ -134,12 +133,10 @@ class ItemCounter(Callback):
         ``host``: read on the host (a batch the loader yielded); ``combined``: several loaders' batches, presets each.
         """
         counters = self.parts.values() or (self,)
-        values = [c._combined(batch) if combined else c.count_of(batch) for c in counters]
+        values = [c._combined(batch) if combined and not callable(c.count) else c.count_of(batch) for c in counters]
         return read_counts(values, self._integers, host)
 
     def _combined(self, batch: Any) -> int | float | Tensor:
-        if callable(self.count):
-            return self.count(batch)
         subs = batch.values() if isinstance(batch, Mapping) else batch
         return sum((self.count_of(sub) for sub in subs if sub is not None), 0)  # None: a loader out of batches
 

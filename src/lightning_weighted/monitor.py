@@ -26,10 +26,7 @@ _ROLE = "ItemMonitor logs the windows of"  # the opening of the error of a strat
 class ItemMetrics:
     """The weighted objective of each optimizer step, from its window's result: a plain object, for a Fabric loop.
 
-    :meth:`update` takes each ``strategy.last_window``; :meth:`compute` returns the last one's values to log by the
-    names of ``docs/fabric.md`` (``train/loss`` absent where ``N = 0``; a part's ``train/loss/<part>`` and
-    ``train/items/<part>``); :meth:`end_epoch` returns ``train/loss_epoch``; a checkpoint keeps :attr:`items_total`.
-
+    Its values are named as in ``docs/fabric.md``, to log.
 
     Args:
         group: the data-parallel ranks (``strategy.data_parallel_group``; ``None``: every rank).

@@ -27,10 +27,7 @@ from lightning_weighted.strategy import WeightedStrategy
 
 
 class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
-    """The hooks of a weighted Fabric strategy, each a call into one :class:`~lightning_weighted.loop.WindowLoop`.
-
-    Put before a Fabric strategy, with :meth:`_start`; the contract of ``fabric.backward``: ``docs/fabric.md``.
-    """
+    """Put before a Fabric strategy: hooks that call into a ``WindowLoop`` (the contract: ``docs/fabric.md``)."""
 
     strategy_name: str
     _accumulating = False  # inside `fabric.no_backward_sync(model)`, where the strategy marks it (:meth:`_marked`)
@@ -49,7 +46,6 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
         return self._yielded.replay
 
     def _start(self, engine: Engine, module: Module) -> None:
-        """Builds the windows of the model just set up (``module``: what ``setup_module`` returns for it)."""
         self._loop = WindowLoop(engine, self.root_device, replace(FABRIC, strategy=self.strategy_name))
         self._models[id(module)] = _Windows(self._loop)
 
@@ -72,7 +68,7 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
         loop.parts = tuple(name for name in named if name)  # the parts this window averages, each over its own N
         replays = self._yielded.replays(max((len(c) for c in named.values()), default=0))
         rows = zip_longest(*named.values())  # a shorter part's missing count is not a number
-        loop.plan([_read_ahead(row, (integer,) * len(named), bool(r)) for row, r in zip(rows, replays, strict=True)])
+        loop.plan([_read_ahead(row, (integer,) * len(named), r) for row, r in zip(rows, replays, strict=True)])
         windows.planned = deque(replays)
 
     def _syncs(self, engine: Engine) -> bool:
@@ -163,16 +159,9 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
         return super().optimizer_step(optimizer, **kwargs)
 
     @override
-    def clip_gradients_norm(
-        self,
-        module: Module,
-        optimizer: Optimizer,
-        max_norm: float | int,
-        norm_type: float | int = 2.0,
-        error_if_nonfinite: bool = True,
-    ) -> Tensor:
+    def clip_gradients_norm(self, module: Module, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Tensor:
         _check_closed(self._models.get(id(module)), "fabric.clip_gradients")
-        return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+        return super().clip_gradients_norm(module, optimizer, *args, **kwargs)
 
     @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:

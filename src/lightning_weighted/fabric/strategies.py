@@ -19,7 +19,6 @@ from lightning_weighted.engines.ddp import DDPEngine, fp16_backward
 from lightning_weighted.engines.fsdp1 import FSDP1Engine, check_sharding, full_state_dict_in_place, wrapped_on_cpu
 from lightning_weighted.engines.fsdp2 import FSDP2Engine, shard_blocks
 from lightning_weighted.fabric._strategy import WeightedFabricStrategy
-from lightning_weighted.loaders import Policy
 from lightning_weighted.strategy import LAUNCHERS, data_parallel_group, every_rank_data_parallel
 
 __all__ = ["WeightedFabricDDPStrategy", "WeightedFabricFSDPStrategy", "WeightedFabricModelParallelStrategy"]
@@ -80,8 +79,8 @@ class WeightedFabricFSDPStrategy(WeightedFabricStrategy, FSDPStrategy):
     strategy_name = "fsdp_weighted"
     _registered = "Count-weighted Fabric FSDP1, on CPU or CUDA", [("fsdp_weighted", {})]
 
-    def __init__(self, *args: Any, participation: Policy = "pad", **kwargs: Any) -> None:
-        super().__init__(*args, participation=participation, **kwargs)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         check_sharding(self.sharding_strategy.name)
         set_backward_sync_control(self, MarkWindow(self.accumulating))
 
@@ -128,10 +127,10 @@ class WeightedFabricModelParallelStrategy(WeightedFabricStrategy, ModelParallelS
     strategy_name = "fsdp2_weighted"
     _registered = "Count-weighted Fabric FSDP2, every rank data-parallel", [("fsdp2_weighted", {})]
 
-    def __init__(self, *args: Any, participation: Policy = "pad", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         if not args:
             kwargs.setdefault("parallelize_fn", shard_blocks)
-        super().__init__(*args, participation=participation, **kwargs)
+        super().__init__(*args, **kwargs)
         set_backward_sync_control(self, MarkWindow(lambda module, enabled: self.accumulating(enabled)))
 
     @override
