@@ -242,9 +242,7 @@ def staged(
 ) -> tuple[Any, EpochBatches]:
     """Extends ``loader`` to yield until every rank is done; returns it and the :class:`EpochBatches` of its passes.
 
-    The loader returned is the one given, but for an iterable that is no ``DataLoader``, which is wrapped. Every
-    rank's length is gathered once (:func:`lengths_of`); a sized loader then reports the longest rank's. ``windows``:
-    as for :class:`EpochBatches`. Refuses uneven ranks under ``participation="strict"``.
+    An iterable that is no ``DataLoader`` comes back wrapped. A sized loader reports the longest rank's length.
     """
     lengths = lengths_of(loader, device)
     sized = all(n >= 0 for n in lengths)
@@ -293,7 +291,6 @@ def combined_message(mode: str, lengths: list[list[int]], combined: list[int]) -
 
 
 def _gather(local: int, device: torch.device, group: dist.ProcessGroup | None = None) -> list[int]:
-    """Every rank's ``local``, by one SUM all-reduce of a group-size vector."""
     if not dist.is_initialized():
         return [local]
     vector = torch.zeros(dist.get_world_size(group), dtype=torch.float64, device=device)

@@ -52,7 +52,7 @@ class Plan:
         """The plan with its first pass's end, given every rank's loader length ``own`` (-1: unsized).
 
         On as many ranks (``reals``: their real batches in the epoch), each rank's loader must hold what it held;
-        dealt again, the pass ends where the longest rank's share does. The same on every rank.
+        dealt again, the pass ends where the longest rank's share does.
         """
         if self.first is None:
             return self
@@ -177,8 +177,7 @@ def dataset_length(loader: Any) -> int | None:
         return None
 
 
-def _trained(place: dict[str, Any]) -> int:
-    """The real batches a rank trained in its deal of the epoch."""
+def _trained(place: dict[str, Any]) -> int:  # the real batches a rank trained in its deal of the epoch
     position: int = place["position"]
     real: int = place["real"] if place["real"] is not None else position
     return max(min(position, real) - int(place["segment"]["start"]), 0)

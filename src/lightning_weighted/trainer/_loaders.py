@@ -47,8 +47,7 @@ class FitLoaders:
     @property
     def combined(self) -> bool:
         """Whether a train batch combines several loaders' batches (in every mode but ``"sequential"``)."""
-        fit_loop = getattr(self.trainer, "fit_loop", None)
-        return len(self.train_loaders) > 1 and combined_mode(fit_loop) != "sequential"
+        return len(self.train_loaders) > 1 and combined_mode(getattr(self.trainer, "fit_loop", None)) != "sequential"
 
     def at_barrier(self, name: str | None) -> None:
         """Notes which stage's loaders come next; its earlier loaders are given back (they are set up anew)."""
@@ -139,10 +138,9 @@ class FitLoaders:
         """Saves every rank's place in ``checkpoint`` (a collective), ``progress`` of ``epoch`` trained (or None)."""
         if progress is None:
             return
-        if self.stage is not None and self._places is not None:
+        ranks: list[dict[str, Any] | None] = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
+        if self.stage is not None and self._places is not None:  # else several train loaders, each its own: no place
             ranks = self._places.gathered(*progress, epoch)
-        else:  # several train loaders, each its own: no place kept
-            ranks = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
         checkpoint[KEY] = {"format": FORMAT, "ranks": ranks}
 
     def load(self, checkpoint: dict[str, Any]) -> None:
