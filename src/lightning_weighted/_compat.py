@@ -14,12 +14,15 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device as move_metrics  # FSDPStrategy._setup_model's
+from lightning.fabric.strategies.fsdp import _setup_activation_checkpointing as setup_checkpointing  # likewise
 from lightning.fabric.strategies.registry import _StrategyRegistry as StrategyRegistry  # Lightning's registry type
 from lightning.fabric.strategies.strategy import _BackwardSyncControl as BackwardSyncControl  # no public base class
 from lightning.fabric.utilities.data import _set_sampler_epoch as set_sampler_epoch  # the epoch of a loader's samplers
 from lightning.pytorch.utilities.data import _update_dataloader as rebuild_loader  # a loader rebuilt with a sampler
 from lightning.pytorch.utilities.exceptions import _augment_message as augment_message  # as DDPStrategy.on_exception
 from torch import Tensor, nn
+from torch import _foreach_mul_ as multiply  # tensors of one device and dtype multiplied in place, as torch.optim does
 from torch.utils.data import DataLoader
 
 # fmt: off
@@ -27,10 +30,10 @@ __all__ = [
     "LOADER_BARRIERS", "BackwardSyncControl", "StrategyRegistry", "augment_message", "checkpoint_progress",
     "combined_mode", "ddp_kwargs", "fetched_batch", "flat_parameters", "flatten_mesh", "forward_redirection",
     "fsdp1_checkpoints", "fsdp1_options", "fsdp2_param_groups", "fsdp2_policies", "fsdp2_shard_sizes",
-    "fsdp_setup_helpers", "join_enabled", "litdata_drops_last", "litdata_loader", "litdata_resumed", "metric_restore",
-    "metric_snapshot", "multiply", "parallel_sizes", "rebuild_loader", "reduce_scatter", "register", "require_torch",
+    "join_enabled", "litdata_drops_last", "litdata_loader", "litdata_resumed", "metric_restore", "metric_snapshot",
+    "move_metrics", "multiply", "parallel_sizes", "rebuild_loader", "reduce_scatter", "register", "require_torch",
     "set_backward_sync_control", "set_litdata_epoch", "set_parallel_sizes", "set_sampler", "set_sampler_epoch",
-    "set_train_batches", "train_batch_idx", "train_progress", "trainer_of", "unfloored",
+    "set_train_batches", "setup_checkpointing", "train_batch_idx", "train_progress", "trainer_of", "unfloored",
 ]
 # fmt: on
 
@@ -175,11 +178,6 @@ def join_enabled(ddp: nn.Module) -> bool:
     return bool(config is not None and config.enable)
 
 
-def multiply(tensors: list[Tensor], factor: Tensor | float) -> None:
-    """Multiplies ``tensors`` (one device and dtype) in place, fused as ``torch.optim`` does (no public API)."""
-    torch._foreach_mul_(tensors, factor)
-
-
 def flatten_mesh(mesh: Any, names: tuple[str, ...]) -> Any:
     """The one-dimensional submesh over several dimensions of a ``DeviceMesh`` (HSDP's replicate × shard)."""
     return mesh[names]._flatten()
@@ -247,13 +245,6 @@ def fsdp1_checkpoints(full_context: Callable[..., Any] | None = None) -> Iterato
     finally:
         for (owner, name, _), original in zip(mended, originals, strict=True):
             setattr(owner, name, original)
-
-
-def fsdp_setup_helpers() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """Lightning's helpers of FSDP1's ``_setup_model``, to wrap a module on the CPU as Lightning wraps it on CUDA."""
-    from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setup_activation_checkpointing
-
-    return _move_torchmetrics_to_device, _setup_activation_checkpointing
 
 
 def reduce_scatter(output: Tensor, source: Tensor, group: Any, op: Any, async_op: bool = False) -> Any:

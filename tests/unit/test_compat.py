@@ -462,36 +462,39 @@ def test_metric_snapshot_and_restore_undo_updates_their_count_and_the_cached_res
 # --------------------------------------------------------------------------------------- FSDP and collectives
 
 
-@pins("fsdp_setup_helpers")
-def test_fsdp_setup_helpers_are_lightnings_fsdp1_setup_functions() -> None:
+@pins("move_metrics", "setup_checkpointing")
+def test_move_metrics_and_setup_checkpointing_are_lightnings_fsdp1_setup_functions() -> None:
     from lightning.fabric.strategies import fsdp
     from lightning.pytorch.strategies import FSDPStrategy
     from torchmetrics.aggregation import MeanMetric
 
-    move, checkpointing = _compat.fsdp_setup_helpers()
-    symbols = {"_move_torchmetrics_to_device": ["module", "device"], "_setup_activation_checkpointing": ["module"]}
-    for (name, parameters), helper in zip(symbols.items(), (move, checkpointing), strict=True):
-        pinned("fsdp_setup_helpers", callable(helper), f"lightning.fabric.strategies.fsdp.{name}")
-        pinned("fsdp_setup_helpers", helper is getattr(fsdp, name, None), f"lightning.fabric.strategies.fsdp.{name}")
-        takes("fsdp_setup_helpers", helper, parameters, f"lightning.fabric.strategies.fsdp.{name}")
-        source_says("fsdp_setup_helpers", FSDPStrategy._setup_model, f"{name}(", "FSDPStrategy._setup_model")
+    symbols = {
+        "move_metrics": ("_move_torchmetrics_to_device", ["module", "device"]),
+        "setup_checkpointing": ("_setup_activation_checkpointing", ["module"]),
+    }
+    for entry, (name, parameters) in symbols.items():
+        helper = getattr(_compat, entry)
+        pinned(entry, callable(helper), f"lightning.fabric.strategies.fsdp.{name}")
+        pinned(entry, helper is getattr(fsdp, name, None), f"lightning.fabric.strategies.fsdp.{name}")
+        takes(entry, helper, parameters, f"lightning.fabric.strategies.fsdp.{name}")
+        source_says(entry, FSDPStrategy._setup_model, f"{name}(", "FSDPStrategy._setup_model")
     # The package passes the strategy's own checkpointing arguments (`WeightedFSDPStrategy`).
-    kwargs = attribute("fsdp_setup_helpers", FSDPStrategy(), "_activation_checkpointing_kwargs", "FSDPStrategy")
-    pinned("fsdp_setup_helpers", kwargs == {}, "FSDPStrategy._activation_checkpointing_kwargs", f"{kwargs}")
+    kwargs = attribute("setup_checkpointing", FSDPStrategy(), "_activation_checkpointing_kwargs", "FSDPStrategy")
+    pinned("setup_checkpointing", kwargs == {}, "FSDPStrategy._activation_checkpointing_kwargs", f"{kwargs}")
 
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     model = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 1))
     model.metric = MeanMetric()
-    with exercising("fsdp_setup_helpers", "lightning.fabric.strategies.fsdp helpers"):
-        move(model, torch.device("cpu"))
-        checkpointing(model, {})  # nothing configured: nothing done
+    with exercising("move_metrics", "lightning.fabric.strategies.fsdp helpers"):
+        _compat.move_metrics(model, torch.device("cpu"))
+        _compat.setup_checkpointing(model, {})  # nothing configured: nothing done
         none = not any(isinstance(m, CheckpointWrapper) for m in model.modules())
-        pinned("fsdp_setup_helpers", none, "_setup_activation_checkpointing", "with no arguments, nothing")
-        checkpointing(model, {"check_fn": lambda m: isinstance(m, nn.Linear)})
+        pinned("setup_checkpointing", none, "_setup_activation_checkpointing", "with no arguments, nothing")
+        _compat.setup_checkpointing(model, {"check_fn": lambda m: isinstance(m, nn.Linear)})
     wrapped = [m for m in model.modules() if isinstance(m, CheckpointWrapper)]
-    pinned("fsdp_setup_helpers", len(wrapped) == 2, "_setup_activation_checkpointing", "wraps the chosen layers")
-    pinned("fsdp_setup_helpers", model.metric.device.type == "cpu", "_move_torchmetrics_to_device")
+    pinned("setup_checkpointing", len(wrapped) == 2, "_setup_activation_checkpointing", "wraps the chosen layers")
+    pinned("move_metrics", model.metric.device.type == "cpu", "_move_torchmetrics_to_device")
 
 
 @pins("reduce_scatter")

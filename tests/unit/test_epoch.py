@@ -192,7 +192,8 @@ def test_a_loader_put_back_is_never_asked_its_state_before_it_yields_the_passs_f
 
 def test_a_pass_after_a_resumed_one_takes_every_ranks_length_again_and_says_where_the_epochs_length_changed():
     told: list[int] = []
-    stage = EpochBatches(Participation(), [3, 3], CPU, relength=lambda: [5, 4])  # the loaders' own, asked again
+    stage = EpochBatches(Participation(), [3, 3], CPU)
+    stage.relength = lambda: [5, 4]  # the loaders' own, asked again
     stage.on_length = told.append
     stage.resume(Pass(2, 2, 3, 4))  # dealt over other ranks: this rank's share ends at 3, the longest at 4
     assert list(stage.iterate(iter(["c"]))) == ["c", "c"] and stage.longest == 4

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from lightning_weighted._compat import flat_parameters, fsdp1_options, fsdp_setup_helpers, reduce_scatter
+from lightning_weighted._compat import flat_parameters, fsdp1_options, move_metrics, reduce_scatter, setup_checkpointing
 from lightning_weighted.engines import FiniteGradients
 
 __all__ = ["FSDP1Engine", "check_sharding", "full_state_dict_in_place", "wrapped_on_cpu"]
@@ -48,10 +50,8 @@ class FSDP1Engine(FiniteGradients):
     needs_graph = True  # every backward runs the collectives of the sharded model
 
     def __init__(self, root: nn.Module) -> None:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
         self.root = root
-        first = next(m for m in root.modules() if isinstance(m, FullyShardedDataParallel))
+        first = next(m for m in root.modules() if isinstance(m, FSDP))
         self.group: dist.ProcessGroup | None = first.process_group
         if first is root and first not in _HOOKED:  # FSDP1 takes one hook per root
             first.register_comm_hook(self, _sum_reduce_scatter)
@@ -87,12 +87,10 @@ def _sum_reduce_scatter(engine: FSDP1Engine, grad: Tensor, output: Tensor | None
 
 def wrapped_on_cpu(strategy: Any, module: nn.Module) -> nn.Module | None:
     """``module`` wrapped by an ``FSDPStrategy`` on the CPU, which Lightning cannot (it passes the index ``None``)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    if strategy.root_device.type != "cpu" or any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+    if strategy.root_device.type != "cpu" or any(isinstance(m, FSDP) for m in module.modules()):
         return None
     kwargs, checkpointing_kwargs = fsdp1_options(strategy)[1:]
-    wrapped = FullyShardedDataParallel(
+    wrapped = FSDP(
         module=module,
         cpu_offload=strategy.cpu_offload,
         mixed_precision=strategy.mixed_precision_config,
@@ -100,9 +98,8 @@ def wrapped_on_cpu(strategy: Any, module: nn.Module) -> nn.Module | None:
         device_id=torch.device("cpu"),
         **kwargs,
     )
-    move_metrics, checkpointing = fsdp_setup_helpers()
-    move_metrics(wrapped, strategy.root_device)
-    checkpointing(wrapped, checkpointing_kwargs)
+    move_metrics(wrapped, strategy.root_device)  # what Lightning's `_setup_model` does after wrapping, too
+    setup_checkpointing(wrapped, checkpointing_kwargs)
     return wrapped
 
 
@@ -112,9 +109,6 @@ def full_state_dict_in_place(module: nn.Module, rank0_only: bool = True) -> cont
     On a CPU model the offload frees the gathered parameters that the state dict then clones (torch's FSDP
     state-dict hook segfaults); on the CPU they are where they would go anyway.
     """
-    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
     return FSDP.state_dict_type(
         module=module,
         state_dict_type=StateDictType.FULL_STATE_DICT,

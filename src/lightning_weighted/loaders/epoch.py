@@ -75,19 +75,14 @@ class EpochBatches:
     """Yields a rank's batches of each pass, then replays until every rank is done (see the module docstring).
 
     ``lengths``: every rank's number of batches of a pass from the start (-1: unsized). ``windows``: windows end an
-    unsized epoch (training); else a one-value all-reduce before each batch does. ``relength``: every rank's number of
-    batches again, asked at the pass after a resumed one (one collective).
+    unsized epoch (training); else a one-value all-reduce before each batch does.
     """
 
     def __init__(
-        self,
-        participation: Participation,
-        lengths: list[int],
-        device: torch.device,
-        windows: bool = True,
-        relength: Callable[[], list[int]] | None = None,
+        self, participation: Participation, lengths: list[int], device: torch.device, windows: bool = True
     ) -> None:
-        self.participation, self.device, self.windows, self.relength = participation, device, windows, relength
+        self.participation, self.device, self.windows = participation, device, windows
+        self.relength: Callable[[], list[int]] | None = None  # every rank's length asked again (one collective)
         self.count: Callable[[Any], Counts] | None = None  # counts ahead: each part's count, taken as fetched
         self.loader_state: Callable[[], dict[str, Any]] | None = None  # the loader's own `state_dict`, if any
         self.on_length: Callable[[int], None] | None = None  # told a pass's length where it differs from the last's
@@ -249,7 +244,8 @@ def staged(
     if participation.policy == "strict" and sized and len(set(lengths)) > 1:
         raise ValueError(_strict_message("in their dataloaders", lengths))
     participation.replays = not sized or len(set(lengths)) > 1
-    stage = EpochBatches(participation, lengths, device, windows, lambda: lengths_of(loader, device, own_length))
+    stage = EpochBatches(participation, lengths, device, windows)
+    stage.relength = lambda: lengths_of(loader, device, own_length)  # at the pass after a resumed one
     loader = extend(loader, stage.iterate, lambda: stage.longest)
     stage.loader_state = own_state(loader)
     return loader, stage

@@ -24,18 +24,16 @@ from lightning_weighted._compat import (
 from lightning_weighted.loaders.epoch import EpochBatches, Pass
 from lightning_weighted.loaders.sampler import dealt_sampler, taken
 
-__all__ = ["FORMAT", "KEY", "PLACE", "Places", "Plan", "Resumed", "dataset_length", "whole_epoch"]
+__all__ = ["FORMAT", "KEY", "PLACE", "Places", "Plan", "Resumed", "whole_epoch"]
 
 KEY = "lightning_weighted"  # the checkpoint's entry
 FORMAT = 1  # what a place holds: its keys (``PLACE``) and their meaning
+PLACE = ("epoch", "last", "position", "real", "at", "loader", "segment", "items", "dataset")
 
 
 def whole_epoch() -> dict[str, Any]:
     """The deal of an epoch from its start: from position 0, no item of it trained before, its order whole."""
     return {"start": 0, "consumed": 0, "stream": None}
-
-
-PLACE = ("epoch", "last", "position", "real", "at", "loader", "segment", "items", "dataset")
 
 
 @dataclass(frozen=True)
@@ -57,13 +55,12 @@ class Plan:
         if self.first is None:
             return self
         if same:
-            origin = self.segment["start"]
-            longest: int | None = None
-            if all(r is not None for r in reals) and all(n >= 0 for n in own):
-                if [n + origin for n in own] != reals:
-                    raise ValueError(_LENGTHS.format([r - origin for r in reals if r is not None], own))
-                longest = max(r for r in reals if r is not None)
-            return replace(self, first=replace(self.first, longest=longest))
+            origin, known = self.segment["start"], [r for r in reals if r is not None]
+            if len(known) < len(reals) or any(n < 0 for n in own):
+                return replace(self, first=replace(self.first, longest=None))  # unsized: it ends where the data does
+            if [n + origin for n in own] != known:
+                raise ValueError(_LENGTHS.format([r - origin for r in known], own))
+            return replace(self, first=replace(self.first, longest=max(known)))
         shares, start = self.shares if self.shares is not None else own, self.first.start
         rank = dist.get_rank() if dist.is_initialized() else 0
         return replace(self, first=replace(self.first, real=start + shares[rank], longest=start + max(shares)))
@@ -150,7 +147,10 @@ class Places:
         passes, segment, items = self._deal
         if self.stage.passes != passes:  # a pass after the one a plan dealt: the epoch is dealt whole
             segment, items = whole_epoch(), None
-        length = dataset_length(self.loader)
+        try:
+            length: int | None = len(self.loader.dataset)  # the data set's, to refuse a changed one on resuming
+        except (AttributeError, TypeError, NotImplementedError):
+            length = None
         mine = {**self.stage.place(trained, last), "epoch": epoch, "last": last, "segment": segment}
         mine.update(items=items or length, dataset=length)
         ranks: list[dict[str, Any] | None] = [mine]
@@ -167,14 +167,6 @@ class Places:
             self.stage.resume(plan.first, plan.loaded)
         self._deal = (self.stage.passes + 1, plan.segment, plan.items)
         return plan
-
-
-def dataset_length(loader: Any) -> int | None:
-    """The length of ``loader``'s data set (``None``: unsized)."""
-    try:
-        return len(loader.dataset)
-    except (AttributeError, TypeError, NotImplementedError):
-        return None
 
 
 def _trained(place: dict[str, Any]) -> int:  # the real batches a rank trained in its deal of the epoch

@@ -130,10 +130,8 @@ def without_padding(dataloader: object) -> object:
 def dealt_sampler(loader: object) -> UnpaddedDistributedSampler[Any] | None:
     """The sampler inserted in place of Lightning's, whose epoch's order can be dealt again; ``None`` if none."""
     batches = getattr(loader, "batch_sampler", None)
-    for sampler in (getattr(loader, "sampler", None), getattr(batches, "sampler", None)):
-        if type(sampler) is UnpaddedDistributedSampler:
-            return sampler
-    return None
+    samplers = (getattr(loader, "sampler", None), getattr(batches, "sampler", None))
+    return next((sampler for sampler in samplers if type(sampler) is UnpaddedDistributedSampler), None)
 
 
 def taken(loader: object, indices: list[int], batches: int) -> int:
