@@ -28,19 +28,14 @@ class Yielded:
         self.batches: deque[tuple[Participation, int, bool]] = deque(maxlen=size)
         self.backwards = 0  # `fabric.backward` calls so far
 
-    @property
-    def replay(self) -> bool:
-        """The batch yielded last replays a batch of a rank whose data ran out (it counts 0)."""
-        return bool(self.batches) and self.batches[-1][2]
-
     def replays(self, size: int) -> list[bool]:
         """Whether each of the ``size`` batches yielded last is a replay, oldest first (``False`` before the oldest)."""
         replays = [replay for *_, replay in list(self.batches)[-size:]] if size else []
         return [False] * (size - len(replays)) + replays
 
-    def last(self) -> tuple[Participation | None, int]:
-        """The epoch of the loader that yielded last, and that batch's position in it."""
-        return self.batches[-1][:2] if self.batches else (None, 0)
+    def last(self) -> tuple[Participation | None, int, bool]:
+        """The epoch of the loader that yielded last, that batch's position, whether it replays one (it counts 0)."""
+        return self.batches[-1] if self.batches else (None, 0, False)
 
 
 class FabricLoader:
@@ -52,9 +47,8 @@ class FabricLoader:
     """
 
     def __init__(self, loader: Any, policy: Policy, device: torch.device, yielded: Yielded) -> None:
-        self.loader, self.device, self.yielded = without_padding(loader), device, yielded
-        self.participation = Participation(policy)
-        self.loader, self.stage = staged(self.loader, self.participation, device)
+        self.device, self.yielded, self.participation = device, yielded, Participation(policy)
+        self.loader, self.stage = staged(without_padding(loader), self.participation, device)
         self.sized = all(n >= 0 for n in self.stage.lengths)
         extended = extension(extend(self.loader, self._marked))
         assert extended is not None

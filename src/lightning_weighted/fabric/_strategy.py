@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from itertools import zip_longest
 from typing import Any, Literal
 
@@ -25,12 +25,14 @@ from lightning_weighted.loaders import Participation, Policy
 from lightning_weighted.loop import Output, WindowLoop, terms
 from lightning_weighted.strategy import WeightedStrategy
 
+WindowCounts = Sequence[object] | Mapping[str, Sequence[object]]  # a window's counts: one loss's, or each named part's
+
 
 class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
     """Put before a Fabric strategy: hooks that call into a ``WindowLoop`` (the contract: ``docs/fabric.md``)."""
 
     strategy_name: str
-    _accumulating = False  # inside `fabric.no_backward_sync(model)`, where the strategy marks it (:meth:`_marked`)
+    _accumulating = False  # inside a sharded strategy's `fabric.no_backward_sync(model)`, set by `MarkWindow`
 
     def __init__(self, *args: Any, participation: Policy = "pad", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -43,18 +45,14 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
     @property
     @override
     def padding_step(self) -> bool:
-        return self._yielded.replay
+        *_, replay = self._yielded.last()
+        return replay
 
     def _start(self, engine: Engine, module: Module) -> None:
         self._loop = WindowLoop(engine, self.root_device, replace(FABRIC, strategy=self.strategy_name))
         self._models[id(module)] = _Windows(self._loop)
 
-    def count_ahead(
-        self,
-        counts: Sequence[object] | Mapping[str, Sequence[object]],
-        integer: bool = False,
-        model: Module | None = None,
-    ) -> None:
+    def count_ahead(self, counts: WindowCounts, integer: bool = False, model: Module | None = None) -> None:
         """Hands over the counts of the next window's microbatches, fetched already, before its first forward.
 
         ``fabric.backward`` takes them in order (a ``count=`` given there must agree), a replay's counting 0.
@@ -63,12 +61,14 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
         ``model``: whose window they count, where several models are set up (as ``fabric.backward(..., model=)``).
         """
         windows = self._models.of(getattr(model, "_forward_module", model))
-        loop = windows.loop
         named = dict(counts) if isinstance(counts, Mapping) else {"": counts}
-        loop.parts = tuple(name for name in named if name)  # the parts this window averages, each over its own N
+        windows.loop.parts = tuple(name for name in named if name)  # the parts this window averages, each over its N
         replays = self._yielded.replays(max((len(c) for c in named.values()), default=0))
-        rows = zip_longest(*named.values())  # a shorter part's missing count is not a number
-        loop.plan([_read_ahead(row, (integer,) * len(named), r) for row, r in zip(rows, replays, strict=True)])
+        rows: list[Counts] = []  # each microbatch's counts, read where they live (on the host in host memory)
+        for row, replay in zip(zip_longest(*named.values()), replays, strict=True):  # a shorter part's missing: None
+            host = all(not isinstance(c, Tensor) or c.device.type == "cpu" for c in row)
+            rows.append(Counts((0.0,) * len(row)) if replay else read_counts(row, (integer,) * len(row), host=host))
+        windows.loop.plan(rows)
         windows.planned = deque(replays)
 
     def _syncs(self, engine: Engine) -> bool:
@@ -78,15 +78,6 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
     def _local(self, engine: Engine) -> contextlib.AbstractContextManager[Any]:
         """Keeps a backward's gradients local although it would sync: it does not end the window."""
         return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def _marked(self, enabled: bool) -> Iterator[None]:
-        """Marks the backwards inside it as accumulating (``enabled``) or not, for :meth:`_syncs`."""
-        previous, self._accumulating = self._accumulating, enabled
-        try:
-            yield
-        finally:
-            self._accumulating = previous
 
     @override
     def backward(
@@ -121,7 +112,8 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
         if not loop.open:
             loop.parts = ()  # a window counted after its forwards: one loss
         planned = bool(windows.planned)
-        replay = windows.planned.popleft() if planned else self._yielded.replay
+        participation, position, last_replay = self._yielded.last()  # the loader's batch yielded last
+        replay = windows.planned.popleft() if planned else last_replay
         if count is None and parts is None and not planned:  # a loop written for plain DDP: microbatches alike
             count = 1
             if not self._implicit_noted:
@@ -130,7 +122,6 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
         self._yielded.backwards += 1
         loop.add(_step(tensor, count, reduction, parts, aux), replay)
         scaled = loop.backward_loss(tensor)
-        participation, position = self._yielded.last()
         more = participation is None or participation.has_more(position)
         if ends:
             loop.end(more)
@@ -140,22 +131,20 @@ class WeightedFabricStrategy(WeightedStrategy, ParallelStrategy):
         finally:
             loop.engine.after_backward()
         if ends:
-            skipped = loop.skipped_steps
-            result = loop.finish(windows.ended, more)
-            windows.ended += 1
+            result = loop.finish(loop.last_window.step + 1 if loop.last_window is not None else 0, more)
             windows.planned.clear()
             if participation is not None:
                 participation.after_window(loop.ranks_with_more, position, loop.engine.group, self.root_device)
-            windows.skip = loop.skipped_steps > skipped
-            if windows.skip:
+            if result.items == 0:  # the loop dropped the gradients: the optimizer steps after it change nothing
                 rank_zero_warn(f"The global item count of window {result.step} is 0: {_SKIPPED}")
 
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         windows = self._models.stepped_by(optimizer)
         _check_closed(windows, "optimizer.step()")
-        if windows is not None and windows.skip:
-            return None  # a window without items: no parameter, no optimizer state changes
+        last = windows.loop.last_window if windows is not None else None
+        if last is not None and last.items == 0:
+            return None  # a window without items (its gradients dropped): no parameter, no optimizer state changes
         return super().optimizer_step(optimizer, **kwargs)
 
     @override
@@ -213,15 +202,13 @@ class _Models(dict[int, "_Windows"]):
         return None
 
 
+@dataclass
 class _Windows:
-    """One set-up model's windows: its loop, the replays of the window counted ahead, the step it skips."""
+    """One set-up model's windows: its loop, the replays of the window counted ahead, its parameters."""
 
-    def __init__(self, loop: WindowLoop) -> None:
-        self.loop = loop
-        self.planned: deque[bool] = deque()  # counted ahead: whether each microbatch of the window is a replay
-        self.ended = 0  # windows ended so far
-        self.skip = False  # the last window had no item: the optimizer steps after it change nothing
-        self.parameters: set[int] | None = None  # the ids of its parameters, to find the optimizer that steps it
+    loop: WindowLoop
+    planned: deque[bool] = field(default_factory=deque)  # counted ahead: whether each microbatch is a replay
+    parameters: set[int] | None = None  # the ids of its parameters, to find the optimizer that steps it
 
 
 _SKIPPED = (
@@ -266,13 +253,6 @@ def _step(tensor: Tensor, count: object, reduction: str, parts: object, aux: obj
     (named, bad_parts), (extra, bad_aux) = terms(parts), terms(aux)
     problem = Problem.PARTS if bad_parts else Problem.AUX if bad_aux else None
     return Output(tensor, None if count is None else read_count(count), reduction == "sum", named, extra, problem)
-
-
-def _read_ahead(row: Sequence[object], integer: Sequence[bool], replay: bool) -> Counts:
-    """A microbatch's counts handed over ahead, read where they live (on the host in host memory); a replay's: 0."""
-    if replay:
-        return Counts((0.0,) * len(row))
-    return read_counts(row, integer, host=all(not isinstance(c, Tensor) or c.device.type == "cpu" for c in row))
 
 
 def _ends_window(syncs: bool, window_end: bool | None, reduction: str) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from lightning.fabric.strategies.ddp import DDPStrategy
@@ -59,14 +59,20 @@ class WeightedFabricDDPStrategy(WeightedFabricStrategy, DDPStrategy):
 
 
 class MarkWindow(BackwardSyncControl):
-    """``fabric.no_backward_sync`` under a sharded weighted strategy: its ``accumulating``, which marks the window."""
+    """``fabric.no_backward_sync`` under a sharded weighted strategy: marks the backwards inside it as accumulating."""
 
-    def __init__(self, accumulating: Callable[[Module, bool], contextlib.AbstractContextManager[None]]) -> None:
-        self.accumulating = accumulating
+    def __init__(self, strategy: WeightedFabricStrategy, no_sync: bool) -> None:
+        self.strategy, self.no_sync = strategy, no_sync  # `no_sync`: enter the model's own too (FSDP1's)
 
     @override
-    def no_backward_sync(self, module: Module, enabled: bool) -> contextlib.AbstractContextManager[None]:
-        return self.accumulating(module, enabled)
+    @contextlib.contextmanager
+    def no_backward_sync(self, module: Module, enabled: bool) -> Iterator[None]:
+        previous, self.strategy._accumulating = self.strategy._accumulating, enabled  # what its `_syncs` reads
+        try:
+            with module.no_sync() if enabled and self.no_sync else contextlib.nullcontext():  # type: ignore[operator]
+                yield
+        finally:
+            self.strategy._accumulating = previous
 
 
 class WeightedFabricFSDPStrategy(WeightedFabricStrategy, FSDPStrategy):
@@ -82,7 +88,7 @@ class WeightedFabricFSDPStrategy(WeightedFabricStrategy, FSDPStrategy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         check_sharding(self.sharding_strategy.name)
-        set_backward_sync_control(self, MarkWindow(self.accumulating))
+        set_backward_sync_control(self, MarkWindow(self, no_sync=True))
 
     @override
     def setup_module(self, module: Module) -> Module:
@@ -110,12 +116,6 @@ class WeightedFabricFSDPStrategy(WeightedFabricStrategy, FSDPStrategy):
     def _local(self, engine: Engine) -> contextlib.AbstractContextManager[Any]:
         return engine.root.no_sync()  # type: ignore[attr-defined,no-any-return]
 
-    @contextlib.contextmanager
-    def accumulating(self, module: Module, enabled: bool) -> Iterator[None]:
-        """What ``fabric.no_backward_sync(model, enabled)`` does here: FSDP1's ``no_sync``, marked for the window."""
-        with self._marked(enabled), module.no_sync() if enabled else contextlib.nullcontext():  # type: ignore[operator]
-            yield
-
 
 class WeightedFabricModelParallelStrategy(WeightedFabricStrategy, ModelParallelStrategy):
     """The weighted Fabric strategy over FSDP2 (``ModelParallelStrategy``): ``strategy="fsdp2_weighted"``.
@@ -131,7 +131,7 @@ class WeightedFabricModelParallelStrategy(WeightedFabricStrategy, ModelParallelS
         if not args:
             kwargs.setdefault("parallelize_fn", shard_blocks)
         super().__init__(*args, **kwargs)
-        set_backward_sync_control(self, MarkWindow(lambda module, enabled: self.accumulating(enabled)))
+        set_backward_sync_control(self, MarkWindow(self, no_sync=False))
 
     @override
     def setup_environment(self) -> None:
@@ -143,7 +143,3 @@ class WeightedFabricModelParallelStrategy(WeightedFabricStrategy, ModelParallelS
         module = super().setup_module(module)
         self._start(FSDP2Engine(module, data_parallel_group(self.device_mesh)), module)
         return module
-
-    def accumulating(self, enabled: bool = True) -> contextlib.AbstractContextManager[None]:
-        """What ``fabric.no_backward_sync(model, enabled)`` does here: marks backwards that do not end the window."""
-        return self._marked(enabled)
