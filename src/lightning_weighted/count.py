@@ -120,7 +120,6 @@ class Count(NamedTuple):
 
     value: float | Tensor  # valid items (or weights' sum): a float, or a float64 0-dim tensor never read on the host
     problem: Problem | Tensor | None = None  # for a tensor count, a float64 0-dim tensor of its Problem (0: valid)
-    implicit: bool = False  # the batch size was counted only because nothing gave a count
 
 
 def read_count(value: object, integer: bool = False, host: bool = False) -> Count:

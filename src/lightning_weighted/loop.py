@@ -107,7 +107,10 @@ class WindowLoop:
         self._exchange: Exchange | None = None
         self._backward = False  # the window ran a backward
         self._loss: tuple[float | Tensor, Tensor | None, Tensor | None] = (0.0, None, None)  # factor, parts, aux
-        self._typical = TypicalCount(engine.mean_sized)
+        self._microbatches = 0  # the window's microbatches so far, for the next window's c
+        # c of the windows counted after: 1, or where losses stay mean-sized (fp16) one microbatch's count: the largest
+        # first count over the ranks (one MAX, once; None until then), then the mean per microbatch of the window before
+        self._typical: float | Tensor | None = None if engine.mean_sized else 1.0
 
     @property
     def open(self) -> bool:
@@ -121,13 +124,12 @@ class WindowLoop:
         if self._window is not None:
             raise RuntimeError("a window's counts were handed over while a window is open: once per window, first")
         if totals is None:  # every rank's valid counts summed
-            summed = host_tensor(host_items(rows, len(self.parts) or 1), self.device)
+            totals = host_tensor(host_items(rows, len(self.parts) or 1), self.device)
             for row in rows:
                 for k, count in enumerate(row.each() if row.problems is not None else ()):
                     if isinstance(count.value, Tensor) or isinstance(count.problem, Tensor):  # checked on its device
-                        summed[k] += valid_count(count)  # an invalid one's problem is reported at the window's end
-            dist.all_reduce(summed, group=self.engine.group)
-            totals = summed
+                        totals[k] += valid_count(count)  # an invalid one's problem is reported at the window's end
+            dist.all_reduce(totals, group=self.engine.group)
         divisor, size = self.engine.divisor, self.ranks * len(rows)  # P M
         parts = Parts(rows, totals, divisor, self.device) if self.parts else None
         self._window = Window(total=None if parts else totals[0], divisor=divisor, microbatches=size, parts=parts)
@@ -141,7 +143,7 @@ class WindowLoop:
         ahead, each part's count of the batch the step received, which must agree with the plan.
         """
         window = self._open(None if replay else output.count)
-        self._typical.microbatches += 1
+        self._microbatches += 1
         planned = self._planned.popleft() if self._planned else None
         given = output.parts or {}  # each counted part's loss, in the counted order (None where one is missing)
         losses = [given.get(name) for name in self.parts] if self.parts else [output.loss]
@@ -155,7 +157,10 @@ class WindowLoop:
         if replay or problem is not None or (count is None and planned is None):
             if not replay:
                 window.reject(problem or Problem.MISSING)
-            graph = _total(losses) if self.parts else losses[0]
+            graph = losses[0]
+            if self.parts:  # the parts' total, of those given
+                present = [loss.reshape(()) for loss in losses if loss is not None]
+                graph = torch.stack(present).sum() if present else None
             if replay and graph is not None and graph.grad_fn is not None:
                 window.empty(graph)
             self._loss = (0.0, graph if self.parts else None, None)
@@ -179,15 +184,17 @@ class WindowLoop:
     def _open(self, count: Count | None) -> Window:
         """The window in progress (a new one, counted after, where none is)."""
         if self._window is None:
-            self._typical.take(count, self.device, self.engine.group)
-            self._window = Window(self._typical.value)
+            if self._typical is None:
+                first = torch.zeros((), dtype=torch.float64, device=self.device) + valid_count(count)
+                dist.all_reduce(first, op=dist.ReduceOp.MAX, group=self.engine.group)
+                self._typical = torch.where(first > 0, first, 1.0)
+            self._window = Window(self._typical)
         return self._window
 
     def drop(self) -> None:
         """Forgets the window in progress (before its exchange), whose gradient Lightning drops as it ends an epoch."""
         assert self._exchange is None
-        self._window, self._planned, self._backward = None, deque(), False
-        self._typical.microbatches = 0
+        self._window, self._planned, self._backward, self._microbatches = None, deque(), False, 0
 
     def backward_loss(self, loss: Tensor | None, multiplier: float = 1.0) -> Tensor:
         """The loss to backpropagate: ``loss · factor · multiplier`` (each part its own) plus the auxiliary terms."""
@@ -234,7 +241,9 @@ class WindowLoop:
         nan_empty = round(values[Slot.NAN_EMPTY])
         if nan_empty and result.items > 0 and backward:
             _check_nan_empty(self.engine, nan_empty, self.device)
-        self._typical.after(result.items, self.ranks)
+        if self.engine.mean_sized and result.items > 0:  # the next window's c
+            self._typical = result.items / (self.ranks * max(self._microbatches, 1))
+        self._microbatches = 0
         if result.items == 0 and backward:
             for param in self.engine.parameters():
                 param.grad = None  # without gradients no torch optimizer touches a parameter or its state
@@ -260,11 +269,6 @@ def _problem(output: Output, losses: list[Tensor | None], parts: int, ahead: boo
     return Problem.NO_GRAPH if losses[0].grad_fn is None else None  # type: ignore[union-attr]  # a Tensor
 
 
-def _total(tensors: Iterable[Tensor | None]) -> Tensor | None:
-    present = [t for t in tensors if t is not None]
-    return torch.stack([t.reshape(()) for t in present]).sum() if present else None
-
-
 def multiply_gradients(parameters: Iterable[Tensor], factor: Tensor | float) -> None:
     """Multiplies every local gradient (a shard, for a sharded parameter) by ``factor``, one fused pass per dtype."""
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
@@ -280,31 +284,6 @@ def _local_gradients(parameters: Iterable[Tensor]) -> Iterator[Tensor]:
     for param in parameters:
         if param.grad is not None:
             yield param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
-
-
-class TypicalCount:
-    """:math:`c` of the windows counted after: 1, or where losses stay mean-sized (fp16) one microbatch's count.
-
-    That is the largest first count over the ranks (one MAX, once), then the mean per microbatch of the window before.
-    """
-
-    def __init__(self, mean_sized: bool) -> None:
-        self.mean_sized, self.microbatches = mean_sized, 0
-        self.value: float | Tensor = 1.0  # c of the window in progress
-        self._known = not mean_sized  # whether c was taken from a count yet
-
-    def take(self, count: Count | None, device: torch.device, group: dist.ProcessGroup | None) -> None:
-        """Notes a window's first microbatch (its count, at the first window of mean-sized losses)."""
-        if not self._known:
-            first = torch.zeros((), dtype=torch.float64, device=device) + valid_count(count)
-            dist.all_reduce(first, op=dist.ReduceOp.MAX, group=group)
-            self.value, self._known = torch.where(first > 0, first, 1.0), True
-
-    def after(self, items: float, ranks: int) -> None:
-        """Takes the next window's :math:`c` from the window that ended with ``items``."""
-        if self.mean_sized and items > 0:
-            self.value, self._known = items / (ranks * max(self.microbatches, 1)), True
-        self.microbatches = 0
 
 
 def _check_nan_empty(engine: Engine, ranks: int, device: torch.device) -> None:

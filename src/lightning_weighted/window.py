@@ -50,6 +50,14 @@ class Window:
 
     Counted after, ``scale`` is :math:`c`; counted ahead, ``total`` is :math:`N` (a number, or still on the device),
     ``divisor`` :math:`D`, ``microbatches`` :math:`P M`, and ``parts`` the named loss parts.
+
+    Example (rank 1 of the worked trace, counted after)::
+
+        >>> window = Window()
+        >>> window.factor(window.add(Count(6.0), loss=torch.tensor(4.0)))  # its mean loss, times 6: an item sum
+        6.0
+        >>> payload([window], more=False, device=torch.device("cpu")).tolist()  # MORE, ..., ITEMS, NEXT, LOSS, LOCAL
+        [0.0, 0.0, 0.0, 6.0, 0.0, 24.0, 6.0]
     """
 
     def __init__(
@@ -61,6 +69,7 @@ class Window:
         parts: Parts | None = None,
     ) -> None:
         self.scale, self.total, self.divisor, self.microbatches, self.parts = scale, total, divisor, microbatches, parts
+        self.ahead = total is not None or parts is not None  # whether N was known before the first forward
         self.items = 0.0  # Σ n of the counts on the host
         self.problem = parts.problem if parts is not None else None  # the first problem known on the host
         self._on_device: list[DeviceCount] = list(parts.checks) if parts is not None else []  # summed every MOST_HELD
@@ -68,11 +77,6 @@ class Window:
         self._losses: list[Tensor] = []  # the losses of counts on the host, weighed by one product as the window ends
         self._weights: list[float] = []  # and their weights
         self._first: Tensor | None = None  # ``[problem, value]``: the first problem of the device counts summed already
-
-    @property
-    def ahead(self) -> bool:
-        """Whether the window's ``N`` was known before its first forward."""
-        return self.total is not None or self.parts is not None
 
     def add(self, count: Count, loss: Tensor | None = None, item_sum: bool = False) -> float | Tensor:
         """Records one microbatch (``loss`` held detached); returns its weight, :math:`n` (1 for an item sum; or 0)."""
@@ -116,7 +120,7 @@ class Window:
     def _hold(self, count: DeviceCount) -> None:
         self._on_device.append(count)
         if len(self._on_device) >= MOST_HELD:
-            self._first = _first_of(self._first, _first_problem(self._on_device))
+            self._first = _first_problem(self._on_device, self._first)
             _sum_device_counts(self._device, self._on_device)
             self._on_device = []
 
@@ -158,7 +162,7 @@ class Window:
         """``[problem, value]`` of this rank's first problem (``[0, 0]``: none), on ``device``."""
         if self.problem is not None:
             return torch.tensor([float(self.problem[0]), self.problem[1]], dtype=torch.float64, device=device)
-        first = _first_of(self._first, _first_problem(self._on_device)) if self._on_device else self._first
+        first = _first_problem(self._on_device, self._first) if self._on_device else self._first
         if first is None:
             return torch.zeros(2, dtype=torch.float64, device=device)
         items = self.device_fields().get(Slot.ITEMS)
@@ -170,17 +174,15 @@ class Window:
         """The payload's fields that live on a device, the held device counts summed in one pass."""
         self._weigh_losses()
         fields = dict(self._device)
-        problems: list[Tensor] = []  # the problems of the device counts: the first one summed already, the largest held
-        if self._first is not None:
-            problems.append(self._first[0])
-        if self._on_device:
-            problems.append(_sum_device_counts(fields, self._on_device))
-        if self.problem is None and problems:  # 1 where a count is invalid or N reaches 2**53: `problem_row` says which
-            invalid = problems[0] if len(problems) == 1 else torch.maximum(problems[0], problems[1])
+        invalid = self._first[0] if self._first is not None else None  # the first problem of the counts summed already
+        if self._on_device:  # and the largest held
+            largest = _sum_device_counts(fields, self._on_device)
+            invalid = largest if invalid is None else torch.maximum(invalid, largest)
+        if self.problem is None and invalid is not None:  # 1 where a count is invalid or N reaches 2**53
             items = fields.get(Slot.ITEMS)
             if items is not None:
                 invalid = invalid + ((items + self.items if self.items else items) >= MAX_ITEMS)
-            fields[Slot.INVALID] = invalid.clamp(max=1.0)
+            fields[Slot.INVALID] = invalid.clamp(max=1.0)  # which problem: `problem_row` says
         return fields
 
 
@@ -205,16 +207,12 @@ def _sum_device_counts(fields: dict[Slot, Tensor], held: list[DeviceCount]) -> T
     return torch.stack([count.problem for count in held]).amax()
 
 
-def _first_problem(held: list[DeviceCount]) -> Tensor:
-    """The first held device count's ``[problem, value]`` (``[0, 0]``: none)."""
+def _first_problem(held: list[DeviceCount], earlier: Tensor | None) -> Tensor:
+    """The first ``[problem, value]`` holding a problem: ``earlier``, else the held counts' (``[0, 0]``: none)."""
     n, problems = torch.stack([count.n for count in held]), torch.stack([count.problem for count in held])
     first = (problems > 0).double().argmax()  # the first microbatch if none
     kind = torch.take(problems, first)
-    return torch.stack([kind, torch.where(kind > 0, torch.take(n, first), 0.0)])
-
-
-def _first_of(earlier: Tensor | None, later: Tensor) -> Tensor:
-    """The first of two ``[problem, value]`` rows that holds a problem (``later`` where neither does)."""
+    later = torch.stack([kind, torch.where(kind > 0, torch.take(n, first), 0.0)])
     return later if earlier is None else torch.where(earlier[0] > 0, earlier, later)
 
 

@@ -83,10 +83,10 @@ def test_the_count_rule_takes_a_returned_count_then_the_item_counters_then_the_b
     # the counter's count keeps its own integer rule
     strategy._counter = ItemCounter(lambda batch: 2.5, integer=True)
     assert strategy.counts_of(read_output(loss), batch) == [Count(2.5, Problem.FRACTIONAL)]
-    # nothing gave a count: the batch size, marked as an implicit choice (a dict without "count" too)
+    # nothing gave a count: the batch size (a dict without "count" too)
     strategy._counter = None
-    assert strategy.counts_of(read_output({"loss": loss}), batch) == [Count(5.0, implicit=True)]
-    assert strategy.counts_of(read_output(loss), batch) == [Count(5.0, implicit=True)]
+    assert strategy.counts_of(read_output({"loss": loss}), batch) == [Count(5.0)]
+    assert strategy.counts_of(read_output(loss), batch) == [Count(5.0)]
 
 
 def test_a_batch_of_several_loaders_is_counted_over_each_by_the_item_counter_or_refused_as_ambiguous():
@@ -104,7 +104,7 @@ def test_a_batch_of_several_loaders_is_counted_over_each_by_the_item_counter_or_
     sequential = CombinedLoader({"a": [0], "b": [1]}, mode="sequential")
     strategy._loaders.trainer = SimpleNamespace(fit_loop=SimpleNamespace(_combined_loader=sequential))
     assert not strategy._loaders.combined
-    assert strategy.counts_of(read_output(loss), torch.zeros(2, 3)) == [Count(2.0, implicit=True)]
+    assert strategy.counts_of(read_output(loss), torch.zeros(2, 3)) == [Count(2.0)]
 
 
 class _Recording(WeightedDDPStrategy):

@@ -139,7 +139,7 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
         if not self._implicit_noted:
             self._implicit_noted = True
             rank_zero_info(_IMPLICIT.format(self.strategy_name))
-        return [Count(float(extract_batch_size(batch)), implicit=True)]
+        return [Count(float(extract_batch_size(batch)))]
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
