@@ -117,7 +117,7 @@ class _Sees(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: object, batch_idx: int) -> None:
         strategy = trainer.strategy
-        self.batches.append((batch_idx, strategy._seam.batch.position, strategy.padding_step))  # type: ignore[attr-defined]
+        self.batches.append((batch_idx, strategy._windows.seam.batch.position, strategy.padding_step))  # type: ignore[attr-defined]
 
 
 def test_every_touch_is_made_at_setup_and_undone_at_teardown(one_process_group):
@@ -132,12 +132,12 @@ def test_every_touch_is_made_at_setup_and_undone_at_teardown(one_process_group):
     trainer.fit(module)
     attributes, names, filters = sees.during
     assert {"on_train_batch_start", "lr_scheduler_step"} <= attributes  # EPOCH_END, SCHEDULERS
-    assert names[0] == "_Batches"  # BATCHES: first, before the user's callbacks
+    assert names[0] == "Seam"  # BATCHES: first, before the user's callbacks
     assert sees.batches == [(0, 0, False), (1, 1, False)]  # each batch begun before a callback of the user's sees it
     assert len(filters) == len(before) + 1  # SAMPLER_WARNING
     assert not {"on_train_batch_start", "lr_scheduler_step", "log"} & set(vars(module))  # the module as it was
     assert trainer.callbacks == callbacks and warnings.filters == before
-    assert isinstance(trainer.strategy._seam, Seam)
+    assert isinstance(trainer.strategy._windows.seam, Seam)
 
 
 def test_patched_sets_methods_on_the_instance_only_and_puts_back_what_was_there_also_on_an_error() -> None:

@@ -76,15 +76,15 @@ def test_the_strategy_pickles_for_the_spawn_launcher():
 def test_the_count_rule_takes_a_returned_count_then_the_item_counters_then_the_batch_size():
     strategy = WeightedDDPStrategy()  # no fit: its ItemCounter set as `setup` takes it from the callbacks
     batch, loss = torch.zeros(5, 3), torch.tensor(1.0)
-    strategy._counter = ItemCounter(lambda batch: 7, integer=True)
+    strategy.item_counter = ItemCounter(lambda batch: 7, integer=True)
     assert strategy.counts_of(read_output({"loss": loss, "count": 2}), batch) == [Count(2.0)]
     assert strategy.counts_of(read_output({"loss": loss}), batch) == [Count(7.0)]
     assert strategy.counts_of(read_output(loss), batch) == [Count(7.0)]
     # the counter's count keeps its own integer rule
-    strategy._counter = ItemCounter(lambda batch: 2.5, integer=True)
+    strategy.item_counter = ItemCounter(lambda batch: 2.5, integer=True)
     assert strategy.counts_of(read_output(loss), batch) == [Count(2.5, Problem.FRACTIONAL)]
     # nothing gave a count: the batch size (a dict without "count" too)
-    strategy._counter = None
+    strategy.item_counter = None
     assert strategy.counts_of(read_output({"loss": loss}), batch) == [Count(5.0)]
     assert strategy.counts_of(read_output(loss), batch) == [Count(5.0)]
 
@@ -97,10 +97,10 @@ def test_a_batch_of_several_loaders_is_counted_over_each_by_the_item_counter_or_
     (count,) = strategy.counts_of(read_output(loss), batch)
     assert count.problem is Problem.AMBIGUOUS and math.isnan(count.value)  # Lightning's batch size is the first's
     assert strategy.counts_of(read_output({"loss": loss, "count": 4}), batch) == [Count(4.0)]
-    strategy._counter = ItemCounter("examples")
+    strategy.item_counter = ItemCounter("examples")
     assert strategy.counts_of(read_output(loss), batch) == [Count(5.0)]  # every loader's rows
     # a sequential CombinedLoader hands one loader's batch at a time: its batch size is unambiguous
-    strategy._counter = None
+    strategy.item_counter = None
     sequential = CombinedLoader({"a": [0], "b": [1]}, mode="sequential")
     strategy._loaders.trainer = SimpleNamespace(fit_loop=SimpleNamespace(_combined_loader=sequential))
     assert not strategy._loaders.combined

@@ -29,8 +29,8 @@ class FitLoaders:
     checkpoint, and resumes from one (:mod:`lightning_weighted.loaders.resume`).
     """
 
-    def __init__(self, policy: Policy, device: torch.device) -> None:
-        self.policy, self.device = policy, device
+    def __init__(self, policy: Policy) -> None:
+        self.policy, self.device = policy, torch.device("cpu")  # the strategy's device once it is known
         self.train = Participation(policy)  # the train loader's epoch (one, for the loaders a CombinedLoader holds)
         self.stage: EpochBatches | None = None  # the one train loader's batches
         self.evaluation: dict[str, list[Participation]] = {"val": [], "test": []}  # one per evaluation loader
@@ -69,15 +69,7 @@ class FitLoaders:
             self.evaluation[self._stage_name].append(participation)
             loader, _ = staged(loader, participation, self.device, windows=False)
             return self._kept(loader)
-        if not self.train_loaders:
-            loader = self._train(loader)
-        else:
-            if self._resumed_epoch is not None:
-                set_sampler_epoch(loader, self._resumed_epoch)
-            if len(self._lengths) == 1:  # the first loader is one of several: the combined batches' lengths rule
-                self._reset(self.train_loaders[0])
-            self._lengths.append(lengths_of(loader, self.device))
-            loader = self._combined(loader)
+        loader = self._combined(loader) if self.train_loaders else self._train(loader)
         self.train_loaders.append(self._kept(loader))
         return loader
 
@@ -105,6 +97,11 @@ class FitLoaders:
 
     def _combined(self, loader: Any) -> Any:
         """One of several train loaders, refused as Lightning sizes it where the ranks' combined lengths differ."""
+        if self._resumed_epoch is not None:
+            set_sampler_epoch(loader, self._resumed_epoch)
+        if len(self._lengths) == 1:  # the first loader is one of several: the combined batches' lengths rule
+            self._reset(self.train_loaders[0])
+        self._lengths.append(lengths_of(loader, self.device))
         if all(len(set(n)) == 1 for n in self._lengths) or any(n < 0 for n in self._lengths[-1]):
             return loader  # as many batches on every rank in every mode; or unsized: as under "ddp", theirs to align
         local = len(loader)
@@ -134,10 +131,8 @@ class FitLoaders:
             self.stage.count = None
         return ahead
 
-    def save(self, checkpoint: dict[str, Any], progress: tuple[int, bool] | None, epoch: int) -> None:
-        """Saves every rank's place in ``checkpoint`` (a collective), ``progress`` of ``epoch`` trained (or None)."""
-        if progress is None:
-            return
+    def save(self, checkpoint: dict[str, Any], progress: tuple[int, bool], epoch: int) -> None:
+        """Saves every rank's place in ``checkpoint`` (a collective), ``progress`` of ``epoch`` trained."""
         ranks: list[dict[str, Any] | None] = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
         if self.stage is not None and self._places is not None:  # else several train loaders, each its own: no place
             ranks = self._places.gathered(*progress, epoch)

@@ -6,7 +6,7 @@ A weighted strategy works through Lightning's strategy hooks wherever there is o
 - :data:`EPOCH_END`, the module's ``on_train_batch_start``: only its -1 ends an epoch early (the strategy's hook's
   return is ignored). The epoch ends there where every rank is out of data; a user's -1 drops the half window.
 - :data:`SCHEDULERS`, the module's ``lr_scheduler_step``, the only way LR schedulers step: see ``BatchState.skipped``.
-- :data:`BATCHES`, a callback put first: the strategy's ``on_train_batch_start`` runs after the callbacks' and the
+- :data:`BATCHES`, the seam, put first: the strategy's ``on_train_batch_start`` runs after the callbacks' and the
   module's, which read ``padding_step``; an evaluation batch's loader index and epoch end reach only callbacks.
 - :data:`REPLAY_LOGS`, the module's ``log`` in a replayed step: a replay's logs add nothing to the epoch's values.
 - :data:`METRICS`, the module's torchmetrics around a replayed step: put back after it, update count included.
@@ -68,10 +68,13 @@ class BatchState:
     plan: tuple[list[Counts], Sequence[float | Tensor] | Tensor] | None = None
 
 
-class Seam:
-    """The touches of one weighted fit (see the module docstring); ``begin_train(batch_idx)`` begins a train batch."""
+class Seam(Callback):
+    """The touches of one weighted fit (see the module docstring), itself the first callback (:data:`BATCHES`).
 
-    def __init__(self, loaders: FitLoaders, begin_train: Callable[[int], None]) -> None:
+    It begins each batch before every other hook sees it (a train one by ``begin_train()``; a test one as validation).
+    """
+
+    def __init__(self, loaders: FitLoaders, begin_train: Callable[[], None]) -> None:
         self.loaders, self.begin_train = loaders, begin_train
         self.batch = BatchState()
         self.loop: WindowLoop | None = None
@@ -80,16 +83,15 @@ class Seam:
         self.weight: float | None = None  # in the step of a loader that replays: 1.0 for a real batch, 0.0 for a replay
         self._touches = contextlib.ExitStack()
 
-    def enter(self, trainer: Trainer, module: LightningModule, loop: WindowLoop, evaluation: EvaluationLoss) -> None:
+    def enter(self, trainer: Trainer, module: LightningModule, loop: WindowLoop, counted: Counted) -> None:
         """Makes the fit's touches: each undone by :meth:`close`, also where a later one fails."""
-        self.loop, self.module, self.evaluation = loop, module, evaluation
+        self.loop, self.module, self.evaluation = loop, module, EvaluationLoss(loop, counted)
         self._touches.enter_context(_silenced(_SAMPLER_WARNING, PossibleUserWarning))
         epoch_end = partial(self._epoch_end, module.on_train_batch_start)
         scheduler_step = partial(self._scheduler_step, trainer, module.lr_scheduler_step)
         self._touches.enter_context(patched(module, on_train_batch_start=epoch_end, lr_scheduler_step=scheduler_step))
-        callback = _Batches(self)
-        trainer.callbacks.insert(0, callback)  # type: ignore[attr-defined]
-        self._touches.callback(trainer.callbacks.remove, callback)  # type: ignore[attr-defined]
+        trainer.callbacks.insert(0, self)  # type: ignore[attr-defined]
+        self._touches.callback(trainer.callbacks.remove, self)  # type: ignore[attr-defined]
 
     def clip_fsdp1(self, plugin: Any, clip: Callable[[Any, float | int], None]) -> None:
         """Norm clipping through FSDP1's own ``clip_grad_norm_`` (:data:`CLIP`), for the fit."""
@@ -101,9 +103,10 @@ class Seam:
         self.loaders.release()
 
     @contextlib.contextmanager
-    def step(self, module: LightningModule) -> Iterator[None]:
+    def step(self) -> Iterator[None]:
         """The step of the batch in progress: a replay's logs and metrics leave no trace."""
-        batch = self.batch
+        batch, module = self.batch, self.module
+        assert module is not None
         self.weight = (0.0 if batch.replay else 1.0) if batch.replays else None
         saved = [(m, metric_snapshot(m)) for m in module.modules() if isinstance(m, Metric)] if batch.replay else []
         try:
@@ -116,8 +119,8 @@ class Seam:
 
     def evaluation_step(self, step: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         """An evaluation step of the batch in progress, its loss added to the epoch's (a replay's left out)."""
-        assert self.module is not None and self.evaluation is not None
-        with self.step(self.module):
+        assert self.evaluation is not None
+        with self.step():
             output = step(*args, **kwargs)
         if not self.batch.replay and args:
             self.evaluation.add(output, args[0], self.batch.loader)
@@ -134,6 +137,29 @@ class Seam:
         total = weighted[:-1] if op == "sum" else weighted[:-1] / weighted[-1].clamp(min=1.0)
         return total.reshape(tensor.shape).to(tensor.dtype if tensor.is_floating_point() else torch.float64)
 
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self.begin_train()
+
+    def on_validation_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        loaders = self.loaders.evaluation["test" if trainer.testing else "val"]
+        replays = dataloader_idx < len(loaders) and loaders[dataloader_idx].replays
+        replay = replays and loaders[dataloader_idx].replay(batch_idx)
+        self.batch = BatchState(batch_idx, replay, replays, loader=dataloader_idx)
+
+    on_test_batch_start = on_validation_batch_start
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.batch = BatchState()
+
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.batch = BatchState()
+        if self.evaluation is not None:
+            self.evaluation.log("test" if trainer.testing else "val", pl_module)
+
+    on_test_epoch_end = on_validation_epoch_end
+
     def _epoch_end(self, hook: Callable[[Any, int], int | None], batch: Any, batch_idx: int) -> int | None:
         assert self.loop is not None
         response = -1 if self.loaders.train.stop else hook(batch, batch_idx)
@@ -148,43 +174,11 @@ class Seam:
             hook(scheduler, metric)
 
 
-class _Batches(Callback):
-    """Where each batch begins, before every other hook sees it (:data:`BATCHES`); a test batch as a validation one."""
-
-    def __init__(self, seam: Seam) -> None:
-        self.seam = seam
-
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self.seam.begin_train(batch_idx)
-
-    def on_validation_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        loaders = self.seam.loaders.evaluation["test" if trainer.testing else "val"]
-        replays = dataloader_idx < len(loaders) and loaders[dataloader_idx].replays
-        replay = replays and loaders[dataloader_idx].replay(batch_idx)
-        self.seam.batch = BatchState(batch_idx, replay, replays, loader=dataloader_idx)
-
-    on_test_batch_start = on_validation_batch_start
-
-    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.seam.batch = BatchState()
-
-    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.seam.batch = BatchState()
-        if self.seam.evaluation is not None:
-            self.seam.evaluation.log("test" if trainer.testing else "val", pl_module)
-
-    on_test_epoch_end = on_validation_epoch_end
-
-
 class EvaluationLoss:
     """The item mean over every rank of the loss each evaluation step returns (``val/loss``), counted as in training."""
 
-    def __init__(
-        self, device: torch.device, group: dist.ProcessGroup | None, counted: Counted, parts: Sequence[str] = ()
-    ) -> None:
-        self.device, self.group, self.counted, self.parts = device, group, counted, tuple(parts)
+    def __init__(self, loop: WindowLoop, counted: Counted) -> None:
+        self.device, self.group, self.parts, self.counted = loop.device, loop.engine.group, loop.parts, counted
         self.windows: dict[int, list[Window]] = {}
 
     def add(self, output: Any, batch: Any, dataloader_idx: int) -> None:

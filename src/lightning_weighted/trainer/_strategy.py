@@ -30,7 +30,7 @@ from lightning_weighted.loaders import Policy
 from lightning_weighted.loop import Output, WindowLoop, read_output
 from lightning_weighted.strategy import WeightedStrategy
 from lightning_weighted.trainer._loaders import FitLoaders
-from lightning_weighted.trainer._seam import BatchState, EvaluationLoss, Seam
+from lightning_weighted.trainer._seam import BatchState, Seam
 
 _TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 
@@ -46,21 +46,15 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
 
     def __init__(self, *args: Any, participation: Policy = "pad", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._loaders = FitLoaders(participation, torch.device("cpu"))  # its device once the strategy's is known
+        self._loaders = FitLoaders(participation)
         self._windows = TrainWindows(self._loaders)
-        self._seam = self._windows.seam
         self._loop: WindowLoop | None = None
-        self._counter: ItemCounter | None = None
-        self._implicit_noted = self._fetches_itself = self._checks_batch = False
+        self.item_counter: ItemCounter | None = None  # counts a batch `training_step` gives no count (None: its size)
+        self._implicit_noted = self._fetches_itself = False
 
     def _make_engine(self) -> Engine:
         """The engine this strategy drives, once its model is set up."""
         raise NotImplementedError
-
-    @property
-    def item_counter(self) -> ItemCounter | None:
-        """How this fit counts a batch where ``training_step`` returns no count (``None``: the batch size)."""
-        return self._counter
 
     @property
     def counts_ahead(self) -> bool:
@@ -70,24 +64,22 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
     @property
     @override
     def padding_step(self) -> bool:
-        return self._seam.batch.replay
+        return self._windows.seam.batch.replay
 
     @override
     def setup(self, trainer: Trainer) -> None:
         counter, self._fetches_itself, wording = _rules(trainer, self.strategy_name)
-        self._counter, self._checks_batch = counter, bool(wording.hooks)
+        self.item_counter = counter
         self._loaders.device, self._loaders.trainer = self.root_device, trainer
         self._loaders.count = None if counter is None else (lambda batch: counter.counts(batch, host=True))
         super().setup(trainer)
-        engine = self._make_engine()
         parts = counter.names if counter is not None else ()
-        self._loop = self._windows.loop = WindowLoop(engine, self.root_device, wording, parts)
-        evaluation = EvaluationLoss(self.root_device, engine.group, self.counts_of, parts)
-        self._seam.enter(trainer, trainer.lightning_module, self._loop, evaluation)
+        self._loop = WindowLoop(self._make_engine(), self.root_device, wording, parts)
+        self._windows.seam.enter(trainer, trainer.lightning_module, self._loop, self.counts_of)
 
     @override
     def teardown(self) -> None:
-        self._seam.close()  # the loop stays: its results are read after the fit (`on_fit_end`)
+        self._windows.seam.close()  # the loop stays: its results are read after the fit (`on_fit_end`)
         super().teardown()
 
     @override
@@ -105,19 +97,19 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
         assert self.lightning_module is not None
         trainer = self._windows.trainer = self.lightning_module.trainer
         ahead = self._windows.ahead = self._loaders.counts_ahead(trainer.train_dataloader)
-        if self._counter is not None and self._counter.names and not ahead:
-            raise ValueError(_PARTS_AFTER.format(list(self._counter.names)))
+        if self.item_counter is not None and self.item_counter.names and not ahead:
+            raise ValueError(_PARTS_AFTER.format(list(self.item_counter.names)))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        loop, module, state = self._loop, self.lightning_module, self._seam.batch
+        loop, module, state = self._loop, self.lightning_module, self._windows.seam.batch
         assert loop is not None and module is not None
-        with self._seam.step(module):
+        with self._windows.seam.step():
             output = super().training_step(*args, **kwargs)
         batch = fetched_batch(module.trainer) if self._fetches_itself else args[0]
         step = read_output(output)
         if self._windows.ahead:
-            counter = self._counter if self._checks_batch and not state.replay else None
+            counter = self.item_counter if loop.wording.hooks and not state.replay else None
             loop.add(step, state.replay, counter.counts(batch) if counter is not None else None)
         else:
             counts = [] if state.replay else self.counts_of(step, batch)
@@ -132,8 +124,8 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
         """The count rule: a ``"count"`` returned, else each part's by ``ItemCounter``, else the batch size."""
         if step.count is not None:
             return [step.count]
-        if self._counter is not None:
-            return self._counter.counts(batch, combined=self._loaders.combined).each()
+        if self.item_counter is not None:
+            return self.item_counter.counts(batch, combined=self._loaders.combined).each()
         if self._loaders.combined:
             return [Count(math.nan, Problem.AMBIGUOUS)]
         if not self._implicit_noted:
@@ -143,11 +135,11 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self._seam.evaluation_step(super().validation_step, args, kwargs)  # type: ignore[no-any-return]
+        return self._windows.seam.evaluation_step(super().validation_step, args, kwargs)  # type: ignore[no-any-return]
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self._seam.evaluation_step(super().test_step, args, kwargs)  # type: ignore[no-any-return]
+        return self._windows.seam.evaluation_step(super().test_step, args, kwargs)  # type: ignore[no-any-return]
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -155,7 +147,7 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
         assert loop is not None and trainer is not None
         # Lightning divided the loss by `accumulate_grad_batches`: undone, the microbatch is weighted instead.
         loss = loop.backward_loss(closure_loss, trainer.accumulate_grad_batches)
-        if self._seam.batch.ends_window:
+        if self._windows.seam.batch.ends_window:
             loop.end(*self._windows.facts())  # the exchange overlaps the window's last backward
         try:
             return super().backward(loss, optimizer, *args, **kwargs)
@@ -180,13 +172,13 @@ class WeightedTrainerStrategy(WeightedStrategy, ParallelStrategy):
         if not isinstance(tensor, Tensor):
             return tensor
         reduce = super().reduce  # type: ignore[safe-super]
-        return self._seam.reduce(unfloored(tensor, reduce_op), reduce_op, group, reduce)
+        return self._windows.seam.reduce(unfloored(tensor, reduce_op), reduce_op, group, reduce)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        progress, epoch = (train_progress(trainer), trainer.current_epoch) if trainer is not None else (None, 0)
-        self._loaders.save(checkpoint, progress, epoch)
+        if self.lightning_module is not None:  # a fit's: its train loader's places
+            trainer = self.lightning_module.trainer
+            self._loaders.save(checkpoint, train_progress(trainer), trainer.current_epoch)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -202,28 +194,28 @@ class TrainWindows:
     def __init__(self, loaders: FitLoaders) -> None:
         self.loaders, self.seam = loaders, Seam(loaders, self.begin)
         self.trainer: Trainer | None = None  # set as the fit starts training
-        self.loop: WindowLoop | None = None  # set at setup
         self.ahead = False  # each window's counts are taken from its batches ahead
         self._first = (0, 0)  # the pass in progress, and its first `batch_idx`
         self._next: tuple[int, int, list[float] | None] | None = None  # counted ahead: the next window's pass, size, N
 
-    def begin(self, batch_idx: int) -> None:
+    def begin(self) -> None:
         """Begins a train batch, before the callbacks' and the module's hooks see it."""
-        assert self.loop is not None and self.trainer is not None
+        loop, trainer = self.seam.loop, self.trainer
+        assert loop is not None and trainer is not None
         # Lightning's `batch_idx` is one fetch late under `dataloader_iter`; its epoch loop's own index never is
-        index = train_batch_idx(self.trainer)
+        index = train_batch_idx(trainer)
         stage, train, position = self.loaders.stage, self.loaders.train, index
         if stage is not None:  # a pass counts from where it started, whatever `batch_idx` Lightning starts from
             if self._first[0] != stage.passes:
                 self._first = (stage.passes, index)
             position = stage.current.start + index - self._first[1]
         state = self.seam.batch = BatchState(position, train.replay(position), train.replays)
-        if self.ahead and not self.loop.open:
+        if self.ahead and not loop.open:
             assert stage is not None
-            counts = stage.take(_window_size(self.trainer, index))
+            counts = stage.take(_window_size(trainer, index))
             planned, self._next, size = self._next, None, len(counts)
             totals = planned[2] if planned is not None and planned[:2] == (stage.passes, size) and size else None
-            state.plan = (counts, self.loop.plan(counts, totals))
+            state.plan = (counts, loop.plan(counts, totals))
 
     def facts(self) -> tuple[bool, list[float]]:
         """Whether this rank holds real batches after the window, and counted ahead its items of the next one."""
@@ -238,27 +230,22 @@ class TrainWindows:
         return more, host_items(counts) if counts else []
 
     def last_batch(self, closure: Callable[[], Any]) -> Any:
-        """Runs Lightning's closure (the window's last step and backward; again under LBFGS), then :meth:`finish`."""
-        state = self.seam.batch
+        """Runs Lightning's closure (the window's last step and backward; again under LBFGS), then ends the window."""
+        loop, state, trainer = self.seam.loop, self.seam.batch, self.trainer
+        assert loop is not None and trainer is not None
         if state.ends_window and state.plan is not None:
-            assert self.loop is not None
-            self.loop.plan(*state.plan)
+            loop.plan(*state.plan)
         state.ends_window = True
-        result = closure()
-        self.finish()
-        return result
-
-    def finish(self) -> None:
-        """Ends the window after its last backward; its exchange brings the next window's ``N``, counted ahead."""
-        assert self.loop is not None and self.trainer is not None
-        loop, state, skipped = self.loop, self.seam.batch, self.loop.skipped_steps
-        result = loop.finish(self.trainer.global_step, *self.facts())
+        returned = closure()
+        skipped = loop.skipped_steps
+        result = loop.finish(trainer.global_step, *self.facts())
         self.loaders.train.after_window(loop.ranks_with_more, state.position, loop.engine.group, loop.device)
-        if self.ahead and self._next is not None and self._next[1]:
+        if self.ahead and self._next is not None and self._next[1]:  # its exchange brought the next window's N
             self._next = (*self._next[:2], loop.next_totals)
         if loop.skipped_steps > skipped:
             state.skipped = True
             rank_zero_warn(f"The global item count of the window ending at step {result.step} is 0: {_SKIPPED}")
+        return returned
 
 
 def _rules(trainer: Trainer, name: str) -> tuple[ItemCounter | None, bool, Wording]:

@@ -22,7 +22,6 @@ from lightning_weighted.engines import Engine
 from lightning_weighted.engines.ddp import DDPEngine, fp16_backward
 from lightning_weighted.engines.fsdp1 import FSDP1Engine, check_sharding, full_state_dict_in_place, wrapped_on_cpu
 from lightning_weighted.engines.fsdp2 import FP16_FIX, FSDP2Engine
-from lightning_weighted.loaders import Policy
 from lightning_weighted.strategy import LAUNCHERS, data_parallel_group, every_rank_data_parallel
 from lightning_weighted.trainer._strategy import WeightedTrainerStrategy, accumulates
 
@@ -96,10 +95,8 @@ class WeightedFSDPStrategy(WeightedTrainerStrategy, FSDPStrategy):
     strategy_name = "fsdp_weighted"
     _registered = "Count-weighted FSDP1, on CPU or CUDA", [("fsdp_weighted", {})]
 
-    def __init__(
-        self, *args: Any, participation: Policy = "pad", sync_every_microbatch: bool = False, **kwargs: Any
-    ) -> None:
-        super().__init__(*args, participation=participation, **kwargs)
+    def __init__(self, *args: Any, sync_every_microbatch: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # `participation` among them
         self.sync_every_microbatch = sync_every_microbatch
         check_sharding(self.sharding_strategy.name)
         self._fsdp1: FSDP1Engine | None = None
@@ -110,7 +107,7 @@ class WeightedFSDPStrategy(WeightedTrainerStrategy, FSDPStrategy):
         if config is not None and torch.float16 in (config.param_dtype, config.reduce_dtype):
             raise MisconfigurationException(f"fsdp_weighted would compute or reduce in float16 ({config}). {FP16_FIX}.")
         super().setup(trainer)
-        self._seam.clip_fsdp1(self.precision_plugin, self._clip_by_norm)
+        self._windows.seam.clip_fsdp1(self.precision_plugin, self._clip_by_norm)
 
     def _clip_by_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:
         assert self.model is not None
