@@ -10,7 +10,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_weighted.counter import ItemCounter, count_documents, count_examples, count_tokens, count_weights
 from lightning_weighted.engines.fsdp2 import shard_blocks
-from lightning_weighted.fabric import (
+from lightning_weighted.fabric.strategies import (
     WeightedFabricDDPStrategy,
     WeightedFabricFSDPStrategy,
     WeightedFabricModelParallelStrategy,
@@ -18,8 +18,12 @@ from lightning_weighted.fabric import (
 from lightning_weighted.loaders import UnpaddedDistributedSampler
 from lightning_weighted.monitor import ItemMetrics, ItemMonitor
 from lightning_weighted.payload import WindowResult
-from lightning_weighted.trainer import WeightedDDPStrategy, WeightedFSDPStrategy, WeightedModelParallelStrategy
 from lightning_weighted.trainer.audit import AuditReport, ObjectiveAudit, ObjectiveMismatchError, is_audit_rerun
+from lightning_weighted.trainer.strategies import (
+    WeightedDDPStrategy,
+    WeightedFSDPStrategy,
+    WeightedModelParallelStrategy,
+)
 
 # fmt: off
 __all__ = [

@@ -1,9 +1,1 @@
-"""Fabric strategies: each drives the window loop over one engine, for loops written with Fabric."""
-
-from lightning_weighted.fabric.strategies import (
-    WeightedFabricDDPStrategy,
-    WeightedFabricFSDPStrategy,
-    WeightedFabricModelParallelStrategy,
-)
-
-__all__ = ["WeightedFabricDDPStrategy", "WeightedFabricFSDPStrategy", "WeightedFabricModelParallelStrategy"]
+"""Fabric strategies (:mod:`~lightning_weighted.fabric.strategies`), each over one engine, for a Fabric loop."""
