@@ -133,10 +133,12 @@ class ItemCounter(Callback):
         ``host``: read on the host (a batch the loader yielded); ``combined``: several loaders' batches, presets each.
         """
         counters = self.parts.values() or (self,)
-        values = [c._combined(batch) if combined and not callable(c.count) else c.count_of(batch) for c in counters]
+        values = [c._combined(batch) if combined else c.count_of(batch) for c in counters]
         return read_counts(values, self._integers, host)
 
     def _combined(self, batch: Any) -> int | float | Tensor:
+        if callable(self.count):  # a function counts the combined batch whole; a preset, each loader's batch
+            return self.count(batch)
         subs = batch.values() if isinstance(batch, Mapping) else batch
         return sum((self.count_of(sub) for sub in subs if sub is not None), 0)  # None: a loader out of batches
 
